@@ -1,0 +1,146 @@
+//! GGUF files: the header is parsed once; each tensor is read with one seek and one read of exactly its bytes, and
+//! stays quantized.
+use super::{BlockTensor, HeadTensor, LoadLog, Weight, WeightSource};
+use crate::error::{ModelError, Result};
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::Device;
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+pub struct GgufWeights {
+    path: PathBuf,
+    content: Content,
+    file: Mutex<File>,
+    log: LoadLog,
+}
+
+impl GgufWeights {
+    pub fn open(path: &Path) -> Result<Self> {
+        let mut file = File::open(path).map_err(|e| ModelError::io(path, e))?;
+        let content = Content::read(&mut file).map_err(|e| ModelError::Corrupt {
+            format: "GGUF",
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            content,
+            file: Mutex::new(file),
+            log: LoadLog::default(),
+        })
+    }
+
+    pub fn metadata(&self) -> &std::collections::HashMap<String, Value> {
+        &self.content.metadata
+    }
+
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
+    }
+
+    pub fn tensor_dims(&self, name: &str) -> Option<Vec<usize>> {
+        self.content.tensor_infos.get(name).map(|i| i.shape.dims().to_vec())
+    }
+
+    fn load(&self, name: &str, device: &Device) -> Result<Weight> {
+        if !self.has_tensor(name) {
+            return Err(ModelError::MissingTensor { name: name.into() });
+        }
+        let mut file = self
+            .file
+            .lock()
+            .map_err(|_| ModelError::Config("GGUF reader poisoned by an earlier panic".into()))?;
+        let q = self
+            .content
+            .tensor(&mut *file, name, device)
+            .map_err(|e| ModelError::Corrupt {
+                format: "GGUF",
+                path: self.path.clone(),
+                reason: format!("tensor {name}: {e}"),
+            })?;
+        self.log.record(name, q.storage_size_in_bytes());
+        Ok(Weight::Quantized(Arc::new(q)))
+    }
+}
+
+fn gguf_block_name(block: usize, t: BlockTensor) -> String {
+    let leaf = match t {
+        BlockTensor::AttnNorm => "attn_norm",
+        BlockTensor::Q => "attn_q",
+        BlockTensor::K => "attn_k",
+        BlockTensor::V => "attn_v",
+        BlockTensor::O => "attn_output",
+        BlockTensor::FfnNorm => "ffn_norm",
+        BlockTensor::Gate => "ffn_gate",
+        BlockTensor::Up => "ffn_up",
+        BlockTensor::Down => "ffn_down",
+    };
+    format!("blk.{block}.{leaf}.weight")
+}
+
+impl WeightSource for GgufWeights {
+    fn load_block(&self, block: usize, t: BlockTensor, device: &Device) -> Result<Weight> {
+        self.load(&gguf_block_name(block, t), device)
+    }
+
+    fn load_head(&self, t: HeadTensor, device: &Device) -> Result<Option<Weight>> {
+        let name = match t {
+            HeadTensor::Embed => "token_embd.weight",
+            HeadTensor::FinalNorm => "output_norm.weight",
+            HeadTensor::LmHead if !self.has_tensor("output.weight") => return Ok(None),
+            HeadTensor::LmHead => "output.weight",
+        };
+        self.load(name, device).map(Some)
+    }
+
+    fn block_of(&self, name: &str) -> Option<usize> {
+        name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
+    }
+
+    fn log(&self) -> &LoadLog {
+        &self.log
+    }
+
+    fn quantization(&self) -> String {
+        // The dtype most block matmul weights use names the quantization.
+        let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+        for (name, info) in &self.content.tensor_infos {
+            if name.starts_with("blk.") && info.shape.rank() == 2 {
+                *counts.entry(format!("{:?}", info.ggml_dtype).to_lowercase()).or_default() += 1;
+            }
+        }
+        counts
+            .into_iter()
+            .max_by_key(|(_, n)| *n)
+            .map(|(d, _)| d)
+            .unwrap_or_else(|| "none".into())
+    }
+
+    fn fingerprint(&self, hasher: &mut Sha256) -> Result<()> {
+        let mut infos: Vec<_> = self.content.tensor_infos.iter().collect();
+        infos.sort_by(|a, b| a.0.cmp(b.0));
+        let mut file = self
+            .file
+            .lock()
+            .map_err(|_| ModelError::Config("GGUF reader poisoned by an earlier panic".into()))?;
+        let file_len = file.seek(SeekFrom::End(0)).map_err(|e| ModelError::io(&self.path, e))?;
+        for (name, info) in infos {
+            hasher.update(name.as_bytes());
+            hasher.update(format!("{:?}{:?}{}", info.ggml_dtype, info.shape.dims(), info.offset).as_bytes());
+            let start = self.content.tensor_data_offset + info.offset;
+            let block = info.ggml_dtype.block_size().max(1);
+            let len = (info.shape.elem_count() / block * info.ggml_dtype.type_size()) as u64;
+            for (off, n) in super::sample_ranges(start, len.min(file_len.saturating_sub(start))) {
+                let mut buf = vec![0u8; n as usize];
+                file.seek(SeekFrom::Start(off)).map_err(|e| ModelError::io(&self.path, e))?;
+                file.read_exact(&mut buf).map_err(|e| ModelError::io(&self.path, e))?;
+                hasher.update(&buf);
+            }
+        }
+        Ok(())
+    }
+}

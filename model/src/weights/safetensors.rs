@@ -1,0 +1,137 @@
+//! Hugging Face safetensors, one file or sharded (`model.safetensors.index.json`), memory-mapped: a tensor's pages
+//! are touched only when it is loaded.
+use super::{BlockTensor, HeadTensor, LoadLog, Weight, WeightSource};
+use crate::error::{ModelError, Result};
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::Device;
+use sha2::{Digest, Sha256};
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+pub struct SafetensorsWeights {
+    files: Vec<PathBuf>,
+    st: MmapedSafetensors,
+    log: LoadLog,
+}
+
+impl SafetensorsWeights {
+    /// Opens `dir/model.safetensors`, or every shard named by `dir/model.safetensors.index.json`, or one file.
+    pub fn open(path: &Path) -> Result<Self> {
+        let files = if path.is_file() {
+            vec![path.to_path_buf()]
+        } else {
+            let index = path.join("model.safetensors.index.json");
+            if index.exists() {
+                shard_files(path, &index)?
+            } else {
+                let single = path.join("model.safetensors");
+                if !single.exists() {
+                    return Err(ModelError::NotFound(single));
+                }
+                vec![single]
+            }
+        };
+        for f in &files {
+            if !f.exists() {
+                return Err(ModelError::NotFound(f.clone()));
+            }
+        }
+        // SAFETY: the files are opened read-only; as with every mmap, truncating them while we run is undefined.
+        let st = unsafe { MmapedSafetensors::multi(&files) }.map_err(|e| ModelError::Corrupt {
+            format: "safetensors",
+            path: files.first().cloned().unwrap_or_default(),
+            reason: e.to_string(),
+        })?;
+        Ok(Self {
+            files,
+            st,
+            log: LoadLog::default(),
+        })
+    }
+
+    fn load(&self, name: &str, device: &Device) -> Result<Weight> {
+        let view = self.st.get(name).map_err(|_| ModelError::MissingTensor { name: name.into() })?;
+        let bytes = view.data().len();
+        let t = self.st.load(name, device)?;
+        self.log.record(name, bytes);
+        Ok(Weight::Dense(t))
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.st.get(name).is_ok()
+    }
+}
+
+fn shard_files(dir: &Path, index: &Path) -> Result<Vec<PathBuf>> {
+    let text = std::fs::read_to_string(index).map_err(|e| ModelError::io(index, e))?;
+    let corrupt = |reason: String| ModelError::Corrupt {
+        format: "safetensors index",
+        path: index.to_path_buf(),
+        reason,
+    };
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| corrupt(e.to_string()))?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| corrupt("no weight_map object".into()))?;
+    let names: BTreeSet<&str> = map.values().filter_map(|f| f.as_str()).collect();
+    Ok(names.into_iter().map(|f| dir.join(f)).collect())
+}
+
+pub(crate) fn hf_block_name(block: usize, t: BlockTensor) -> String {
+    let leaf = match t {
+        BlockTensor::AttnNorm => "input_layernorm",
+        BlockTensor::Q => "self_attn.q_proj",
+        BlockTensor::K => "self_attn.k_proj",
+        BlockTensor::V => "self_attn.v_proj",
+        BlockTensor::O => "self_attn.o_proj",
+        BlockTensor::FfnNorm => "post_attention_layernorm",
+        BlockTensor::Gate => "mlp.gate_proj",
+        BlockTensor::Up => "mlp.up_proj",
+        BlockTensor::Down => "mlp.down_proj",
+    };
+    format!("model.layers.{block}.{leaf}.weight")
+}
+
+impl WeightSource for SafetensorsWeights {
+    fn load_block(&self, block: usize, t: BlockTensor, device: &Device) -> Result<Weight> {
+        self.load(&hf_block_name(block, t), device)
+    }
+
+    fn load_head(&self, t: HeadTensor, device: &Device) -> Result<Option<Weight>> {
+        let name = match t {
+            HeadTensor::Embed => "model.embed_tokens.weight",
+            HeadTensor::FinalNorm => "model.norm.weight",
+            HeadTensor::LmHead if !self.has("lm_head.weight") => return Ok(None),
+            HeadTensor::LmHead => "lm_head.weight",
+        };
+        self.load(name, device).map(Some)
+    }
+
+    fn block_of(&self, name: &str) -> Option<usize> {
+        name.strip_prefix("model.layers.")?.split('.').next()?.parse().ok()
+    }
+
+    fn log(&self) -> &LoadLog {
+        &self.log
+    }
+
+    fn quantization(&self) -> String {
+        "none".into()
+    }
+
+    fn fingerprint(&self, hasher: &mut Sha256) -> Result<()> {
+        let mut tensors = self.st.tensors();
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, view) in tensors {
+            hasher.update(name.as_bytes());
+            hasher.update(format!("{:?}{:?}", view.dtype(), view.shape()).as_bytes());
+            let data = view.data();
+            for (start, len) in super::sample_ranges(0, data.len() as u64) {
+                hasher.update(&data[start as usize..(start + len) as usize]);
+            }
+        }
+        hasher.update(format!("{} files", self.files.len()).as_bytes());
+        Ok(())
+    }
+}

@@ -1,0 +1,33 @@
+//! Paths of the shared model files (never downloaded: they sit in ../shared beside the checkout).
+#![allow(dead_code)]
+use std::path::PathBuf;
+
+pub fn shared_models() -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/models");
+    assert!(root.exists(), "shared models not found at {} (../shared must sit beside the checkout)", root.display());
+    root
+}
+
+pub fn stories_bin() -> PathBuf {
+    shared_models().join("stories260K/stories260K.bin")
+}
+
+pub fn stories_hf() -> PathBuf {
+    shared_models().join("stories260K/hf")
+}
+
+pub fn smollm_gguf() -> PathBuf {
+    shared_models().join("smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+/// Largest absolute difference between two f32 tensors of the same shape.
+pub fn max_abs_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f32 {
+    let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+pub fn argmax(logits: &candle_core::Tensor) -> u32 {
+    logits.flatten_all().unwrap().argmax(0).unwrap().to_scalar::<u32>().unwrap()
+}

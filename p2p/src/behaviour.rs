@@ -1,0 +1,91 @@
+//! The composed libp2p behaviour: Kademlia (records + providers), identify (learn peers' listen addresses and
+//! protocols), ping (liveness and RTT for server selection) and libp2p-stream (raw inference streams).
+
+use std::time::Duration;
+
+use libp2p::{
+    identify,
+    identity::Keypair,
+    kad::{self, store::MemoryStore, store::MemoryStoreConfig},
+    ping,
+    swarm::NetworkBehaviour,
+    StreamProtocol,
+};
+
+use crate::NetConfig;
+
+/// Kademlia protocol name. Distinct from the IPFS DHT so a Petal node never joins (or pollutes) the public one.
+pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/petal/kad/1.0.0");
+/// Identify protocol version string; peers with another one are still identified but logged.
+pub const IDENTIFY_PROTOCOL_VERSION: &str = "/petal/id/1.0.0";
+/// Upper bound for one Kademlia query. Queries on a healthy swarm end far sooner; this only caps a query
+/// stuck on unreachable peers.
+pub const QUERY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Every behaviour of a Petal peer. The derive generates `PetalBehaviourEvent` with one variant per field.
+#[derive(NetworkBehaviour)]
+pub struct PetalBehaviour {
+    pub kad: kad::Behaviour<MemoryStore>,
+    pub identify: identify::Behaviour,
+    pub ping: ping::Behaviour,
+    pub stream: libp2p_stream::Behaviour,
+}
+
+impl PetalBehaviour {
+    /// Builds the behaviour for `keypair` with the DHT timings derived from `config.record_ttl`.
+    pub fn new(keypair: &Keypair, config: &NetConfig) -> Self {
+        let peer_id = keypair.public().to_peer_id();
+        let ttl = config.record_ttl.max(Duration::from_millis(300));
+
+        let mut kad_config = kad::Config::new(KAD_PROTOCOL);
+        kad_config
+            // Records and provider records vanish from every store `ttl` after their last refresh, so a node that
+            // was killed without withdrawing disappears on its own.
+            .set_record_ttl(Some(ttl))
+            .set_provider_record_ttl(Some(ttl))
+            // No background replication or republication of value records: publishers (the `Announcer`) re-put
+            // their record every ttl/3 instead. Kademlia's replication would resurrect dead records: it sends the
+            // remaining TTL in whole seconds, a record with under a second left goes out as TTL 0 ("no expiry"),
+            // and the receiver stores it for a full `record_ttl` again, so a killed server could live on forever.
+            .set_replication_interval(None)
+            .set_publication_interval(None)
+            // Provider records are only ever republished by the provider itself, so that job is safe and keeps
+            // `start_providing` meaning "until stop_providing" across the (short) provider TTL.
+            .set_provider_publication_interval(Some(ttl / 3))
+            .set_query_timeout(QUERY_TIMEOUT)
+            // Provider answers for the "all servers" key list every server; the 16 KiB default is too small.
+            .set_max_packet_size(1024 * 1024)
+            // Write-back caching would copy records to peers without renewing them; we never use it.
+            .set_caching(kad::Caching::Disabled);
+
+        let store_config = MemoryStoreConfig {
+            max_records: 16 * 1024,
+            max_value_bytes: 64 * 1024,
+            // Every server provides the same two keys; the default (20, the replication factor) would make the
+            // closest peers forget all but 20 servers of a model.
+            max_providers_per_key: 1024,
+            max_provided_keys: 1024,
+        };
+        let store = MemoryStore::with_config(peer_id, store_config);
+        let mut kad = kad::Behaviour::with_config(peer_id, store, kad_config);
+        kad.set_mode(Some(if config.dht_server {
+            kad::Mode::Server
+        } else {
+            kad::Mode::Client
+        }));
+
+        let identify = identify::Behaviour::new(
+            identify::Config::new(IDENTIFY_PROTOCOL_VERSION.to_string(), keypair.public())
+                .with_agent_version(format!("petal/{}", env!("CARGO_PKG_VERSION"))),
+        );
+
+        let ping = ping::Behaviour::new(ping::Config::new().with_interval(Duration::from_secs(10)));
+
+        PetalBehaviour {
+            kad,
+            identify,
+            ping,
+            stream: libp2p_stream::Behaviour::new(),
+        }
+    }
+}

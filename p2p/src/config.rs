@@ -1,0 +1,48 @@
+//! Settings for [`Network::start`](crate::Network::start).
+
+use std::time::Duration;
+
+use libp2p::{identity::Keypair, Multiaddr};
+
+/// Default lifetime of DHT records and provider records.
+pub const DEFAULT_RECORD_TTL: Duration = Duration::from_secs(60);
+/// Default time an unused connection is kept open. Long enough that a client between two generation steps, or a
+/// server between two announcements, does not pay for a new handshake.
+pub const DEFAULT_IDLE_CONNECTION_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How to run one peer of the swarm.
+#[derive(Debug, Clone)]
+pub struct NetConfig {
+    /// The node's identity; its public key is the peer id.
+    pub keypair: Keypair,
+    /// Addresses to listen on, e.g. `/ip4/0.0.0.0/tcp/31337` and `/ip4/0.0.0.0/udp/31337/quic-v1`. Port 0 picks a
+    /// free port; [`Network::listen_addrs`](crate::Network::listen_addrs) reports the real one. Empty for a client
+    /// that only dials out.
+    pub listen: Vec<Multiaddr>,
+    /// Peers to join the DHT through. Each must end in `/p2p/<peer id>`: Kademlia needs the id to place the peer
+    /// in its routing table, and the noise handshake checks it.
+    pub bootstrap: Vec<Multiaddr>,
+    /// `true` for servers and bootstrap nodes: they answer DHT queries and store records (Kademlia server mode).
+    /// `false` for clients, which only query. Set explicitly because Kademlia would otherwise stay client-only
+    /// until it sees a confirmed external address, which never happens on a LAN or loopback.
+    pub dht_server: bool,
+    /// Lifetime of records and provider records in the DHT. Announcers refresh at a third of it, so a node that
+    /// dies without withdrawing disappears at most this long after its last refresh.
+    pub record_ttl: Duration,
+    /// How long a connection with no open streams or pending queries stays open.
+    pub idle_connection_timeout: Duration,
+}
+
+impl NetConfig {
+    /// A client-style config: no listeners, no bootstrap peers, DHT client mode, 60 s record TTL.
+    pub fn new(keypair: Keypair) -> Self {
+        NetConfig {
+            keypair,
+            listen: Vec::new(),
+            bootstrap: Vec::new(),
+            dht_server: false,
+            record_ttl: DEFAULT_RECORD_TTL,
+            idle_connection_timeout: DEFAULT_IDLE_CONNECTION_TIMEOUT,
+        }
+    }
+}
