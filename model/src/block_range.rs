@@ -38,7 +38,10 @@ impl BlockRange {
             range: s.to_string(),
             reason: reason.to_string(),
         };
-        let (a, b) = s.trim().split_once("..").ok_or_else(|| bad("expected START..END, e.g. 0..10"))?;
+        let (a, b) = s
+            .trim()
+            .split_once("..")
+            .ok_or_else(|| bad("expected START..END, e.g. 0..10"))?;
         let start = a.trim().parse().map_err(|_| bad("START is not a number"))?;
         let end = b.trim().parse().map_err(|_| bad("END is not a number"))?;
         Ok(Self { start, end })
@@ -59,7 +62,9 @@ impl BlockRange {
             return bad("the range is empty".into());
         }
         if self.end > num_blocks {
-            return bad(format!("the model has {num_blocks} blocks (0..{num_blocks})"));
+            return bad(format!(
+                "the model has {num_blocks} blocks (0..{num_blocks})"
+            ));
         }
         Ok(())
     }
@@ -96,7 +101,11 @@ mod tests {
             ("5..5", 30, "empty"),
             ("20..10", 30, "reversed"),
         ] {
-            let err = BlockRange::parse(s).unwrap().validate(n).unwrap_err().to_string();
+            let err = BlockRange::parse(s)
+                .unwrap()
+                .validate(n)
+                .unwrap_err()
+                .to_string();
             assert!(err.contains(needle), "{s}: {err}");
         }
         assert!(BlockRange::parse("ten..20").is_err());

@@ -326,8 +326,9 @@ fn write_json(
         ValueKind::Undefined | ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
         ValueKind::Number => {
-            if let Some(int) = value.as_i64() {
-                let _ = write!(out, "{int}");
+            if value.is_integer() {
+                // Integers print as themselves (u128/i128 included), as Python does.
+                let _ = write!(out, "{value}");
             } else if let Ok(float) = f64::try_from(value.clone()) {
                 if float.is_finite() {
                     // Debug keeps the ".0" Python prints for whole floats.

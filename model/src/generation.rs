@@ -60,7 +60,11 @@ pub struct Generation<'t> {
 }
 
 impl<'t> Generation<'t> {
-    pub fn new(tokenizer: &'t Tokenizer, prompt: &[u32], config: &GenerationConfig) -> Result<Self> {
+    pub fn new(
+        tokenizer: &'t Tokenizer,
+        prompt: &[u32],
+        config: &GenerationConfig,
+    ) -> Result<Self> {
         Ok(Self {
             sampler: Sampler::new(config.sampling.clone())?,
             stream: TextStream::new(tokenizer),
@@ -83,7 +87,11 @@ impl<'t> Generation<'t> {
 
     /// Samples the next token from the last position's logits (`[vocab]` or `[1, vocab]`).
     pub fn step(&mut self, logits: &Tensor) -> Result<Step> {
-        let logits = if logits.rank() == 2 { logits.squeeze(0)? } else { logits.clone() };
+        let logits = if logits.rank() == 2 {
+            logits.squeeze(0)?
+        } else {
+            logits.clone()
+        };
         let token = self.sampler.sample(&logits, &self.history)?;
         self.history.push(token);
         let mut text = String::new();
@@ -102,7 +110,10 @@ impl<'t> Generation<'t> {
                 self.finished = Some(FinishReason::Length);
             }
         }
-        if matches!(self.finished, Some(FinishReason::Length | FinishReason::Eos)) {
+        if matches!(
+            self.finished,
+            Some(FinishReason::Length | FinishReason::Eos)
+        ) {
             // Release whatever the detokeniser and the stop matcher still hold.
             if let Some(rest) = self.stream.finish()? {
                 let (emit, stopped) = self.stop.push(&rest);
@@ -166,7 +177,12 @@ impl GenerationTimer {
         self.first.get_or_insert_with(Instant::now);
     }
 
-    pub fn finish(&self, prompt_tokens: usize, generation: &Generation<'_>, text: String) -> GenerationOutput {
+    pub fn finish(
+        &self,
+        prompt_tokens: usize,
+        generation: &Generation<'_>,
+        text: String,
+    ) -> GenerationOutput {
         let total = self.start.elapsed();
         let first = self.first.map(|f| f - self.start).unwrap_or(total);
         let decode = total.saturating_sub(first);
@@ -234,6 +250,9 @@ impl LocalModel {
     }
 
     fn head_max_position(&self) -> usize {
-        self.spans.first().map(|s| s.spec().max_position).unwrap_or(usize::MAX)
+        self.spans
+            .first()
+            .map(|s| s.spec().max_position)
+            .unwrap_or(usize::MAX)
     }
 }

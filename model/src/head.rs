@@ -19,7 +19,9 @@ pub struct Head {
 impl Head {
     pub fn load(source: &dyn WeightSource, spec: &ModelSpec, placement: Placement) -> Result<Self> {
         let p = &placement;
-        let missing = |t: HeadTensor| ModelError::MissingTensor { name: format!("{t:?}") };
+        let missing = |t: HeadTensor| ModelError::MissingTensor {
+            name: format!("{t:?}"),
+        };
         let embed_w = source
             .load_head(HeadTensor::Embed, &p.device)?
             .ok_or_else(|| missing(HeadTensor::Embed))?;

@@ -10,6 +10,7 @@ pub mod error;
 pub mod generation;
 pub mod head;
 pub mod placement;
+pub mod prompt;
 pub mod sampling;
 pub mod source;
 pub mod span;
@@ -17,6 +18,7 @@ pub mod spec;
 pub mod text_stream;
 pub mod tokenizer;
 pub mod weights;
+pub mod wire;
 
 pub use block_range::BlockRange;
 pub use error::{ModelError, Result};

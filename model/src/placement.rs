@@ -26,7 +26,12 @@ impl Placement {
 
 impl fmt::Display for Placement {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", device_name(&self.device), dtype_name(self.dtype))
+        write!(
+            f,
+            "{}/{}",
+            device_name(&self.device),
+            dtype_name(self.dtype)
+        )
     }
 }
 
@@ -122,17 +127,23 @@ impl DeviceSpec {
             }
             Self::Cuda(i) => {
                 if !candle_core::utils::cuda_is_available() {
-                    return Err(err("this build has no CUDA support (rebuild with --features cuda)".into()));
+                    return Err(err(
+                        "this build has no CUDA support (rebuild with --features cuda)".into(),
+                    ));
                 }
                 let n = cuda_device_count();
                 if i >= n {
-                    return Err(err(format!("{n} CUDA device(s) visible (CUDA_VISIBLE_DEVICES applies)")));
+                    return Err(err(format!(
+                        "{n} CUDA device(s) visible (CUDA_VISIBLE_DEVICES applies)"
+                    )));
                 }
                 Device::new_cuda(i).map_err(|e| err(e.to_string()))
             }
             Self::Metal(i) => {
                 if !candle_core::utils::metal_is_available() {
-                    return Err(err("this build has no Metal support (rebuild with --features metal)".into()));
+                    return Err(err(
+                        "this build has no Metal support (rebuild with --features metal)".into(),
+                    ));
                 }
                 let n = metal_device_count();
                 if i >= n {

@@ -58,7 +58,8 @@ impl ModelSource {
                     path.parent().map(Path::to_path_buf).unwrap_or_default()
                 };
                 let config = dir.join("config.json");
-                let json = std::fs::read_to_string(&config).map_err(|e| ModelError::io(&config, e))?;
+                let json =
+                    std::fs::read_to_string(&config).map_err(|e| ModelError::io(&config, e))?;
                 let spec = ModelSpec::from_hf_config(&name, &json)?;
                 (spec, Box::new(SafetensorsWeights::open(path)?))
             }
@@ -124,7 +125,13 @@ impl ModelSource {
             .spec
             .name
             .chars()
-            .map(|c| if c.is_ascii_alphanumeric() || c == '.' || c == '_' { c } else { '-' })
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '.' || c == '_' {
+                    c
+                } else {
+                    '-'
+                }
+            })
             .collect();
         let id = format!("{name}-{}", &digest[..32]);
         Ok(self.model_id.get_or_init(|| id).clone())
@@ -157,7 +164,9 @@ fn model_name(path: &Path) -> String {
     } else {
         path.file_stem()
     };
-    let name = stem.map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = stem
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
     // An `hf/` directory says nothing; name it after its parent.
     if name == "hf" {
         if let Some(parent) = path.parent().and_then(|p| p.file_name()) {
@@ -175,7 +184,11 @@ fn detect_format(path: &Path) -> Result<ModelFormat> {
         }
         return Err(ModelError::UnknownFormat(path.to_path_buf()));
     }
-    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or_default().to_ascii_lowercase();
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .unwrap_or_default()
+        .to_ascii_lowercase();
     let mut magic = [0u8; 4];
     let has_gguf_magic = std::fs::File::open(path)
         .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
@@ -208,19 +221,22 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
             .map(|v| v as usize)
             .ok_or_else(|| ModelError::Config(format!("GGUF metadata lacks llama.{key}")))
     };
-    let f32_or = |key: &str, default: f32| get(key).and_then(|v| v.to_f32().ok()).unwrap_or(default);
+    let f32_or =
+        |key: &str, default: f32| get(key).and_then(|v| v.to_f32().ok()).unwrap_or(default);
     let hidden = need_u32("embedding_length")?;
     let heads = need_u32("attention.head_count")?;
     let head_dim = need_u32("rope.dimension_count").or_else(|_| {
-        if heads == 0 {
-            Err(ModelError::Config("head_count is 0".into()))
-        } else {
-            Ok(hidden / heads)
-        }
+        hidden
+            .checked_div(heads)
+            .ok_or_else(|| ModelError::Config("head_count is 0".into()))
     })?;
     let vocab = match w.tensor_dims("token_embd.weight") {
         Some(d) if d.len() == 2 => d[0],
-        _ => return Err(ModelError::MissingTensor { name: "token_embd.weight".into() }),
+        _ => {
+            return Err(ModelError::MissingTensor {
+                name: "token_embd.weight".into(),
+            })
+        }
     };
     let token_id = |key: &str| md.get(key).and_then(|v: &Value| v.to_u32().ok());
     let spec = ModelSpec {
@@ -240,7 +256,9 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
         max_position: need_u32("context_length").unwrap_or(4096),
         tie_embeddings: !w.has_tensor("output.weight"),
         bos_token_id: token_id("tokenizer.ggml.bos_token_id"),
-        eos_token_ids: token_id("tokenizer.ggml.eos_token_id").into_iter().collect(),
+        eos_token_ids: token_id("tokenizer.ggml.eos_token_id")
+            .into_iter()
+            .collect(),
     };
     spec.validate()?;
     Ok(spec)

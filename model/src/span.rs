@@ -49,7 +49,11 @@ impl BlockSpan {
             tracing::debug!(block = i, placement = %p, "loading block");
             blocks.push(Block::load(source, &spec, i, p.clone(), rope)?);
         }
-        Ok(Self { spec, range, blocks })
+        Ok(Self {
+            spec,
+            range,
+            blocks,
+        })
     }
 
     pub fn range(&self) -> BlockRange {
@@ -102,7 +106,12 @@ impl BlockSpan {
 
     /// Runs `hidden` (`[batch, tokens, hidden_size]`, positions `position..position + tokens`) through the session's
     /// blocks. Every check happens before any compute, so a refused step leaves the session as it was.
-    pub fn forward(&self, hidden: &Tensor, position: usize, session: &mut SpanCache) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        hidden: &Tensor,
+        position: usize,
+        session: &mut SpanCache,
+    ) -> Result<Tensor> {
         let dims = hidden.dims();
         if dims.len() != 3 || dims[2] != self.spec.hidden_size || dims[0] == 0 || dims[1] == 0 {
             return Err(ModelError::HiddenShape {
@@ -113,7 +122,11 @@ impl BlockSpan {
         let tokens = dims[1];
         session.check_step(position, tokens)?;
         let mut x = hidden.clone();
-        for (cache, i) in session.caches.iter_mut().zip(session.range.start..session.range.end) {
+        for (cache, i) in session
+            .caches
+            .iter_mut()
+            .zip(session.range.start..session.range.end)
+        {
             x = self.blocks[i - self.range.start].forward(&x, position, cache)?;
         }
         session.position += tokens;
@@ -162,7 +175,9 @@ impl SpanCache {
         for ((k, v), cache) in kv.iter().zip(&mut self.caches) {
             let n = k.dim(2)?;
             if *len.get_or_insert(n) != n || v.dims() != k.dims() || n > self.max_length {
-                return Err(ModelError::Config("restored KV tensors disagree in shape".into()));
+                return Err(ModelError::Config(
+                    "restored KV tensors disagree in shape".into(),
+                ));
             }
             cache.restore(k, v)?;
         }

@@ -63,13 +63,13 @@ impl ModelSpec {
                 return bad(format!("{what} must be positive"));
             }
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(format!(
                 "num_heads {} is not a multiple of num_kv_heads {}",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim {} must be even for RoPE", self.head_dim));
         }
         if !(self.rms_eps.is_finite() && self.rms_eps > 0.0) {
@@ -92,14 +92,17 @@ impl ModelSpec {
 
     /// Parses a Hugging Face `config.json`.
     pub fn from_hf_config(name: &str, json: &str) -> Result<Self> {
-        let c: HfConfig =
-            serde_json::from_str(json).map_err(|e| ModelError::Config(format!("config.json: {e}")))?;
+        let c: HfConfig = serde_json::from_str(json)
+            .map_err(|e| ModelError::Config(format!("config.json: {e}")))?;
         let arch = c
             .model_type
             .clone()
             .or_else(|| c.architectures.first().cloned())
             .unwrap_or_default();
-        let known = matches!(arch.as_str(), "llama" | "mistral" | "LlamaForCausalLM" | "MistralForCausalLM");
+        let known = matches!(
+            arch.as_str(),
+            "llama" | "mistral" | "LlamaForCausalLM" | "MistralForCausalLM"
+        );
         if !known {
             return Err(ModelError::UnknownArchitecture(arch));
         }
@@ -115,7 +118,9 @@ impl ModelSpec {
                     factor: s.factor.unwrap_or(1.0),
                     low_freq_factor: s.low_freq_factor.unwrap_or(1.0),
                     high_freq_factor: s.high_freq_factor.unwrap_or(4.0),
-                    original_max_position_embeddings: s.original_max_position_embeddings.unwrap_or(8192),
+                    original_max_position_embeddings: s
+                        .original_max_position_embeddings
+                        .unwrap_or(8192),
                 })
             }
             Some(s) => match s.rope_type.as_deref().or(s.kind.as_deref()) {
@@ -207,7 +212,16 @@ mod tests {
     #[test]
     fn parses_hf_config() {
         let s = ModelSpec::from_hf_config("stories", STORIES).unwrap();
-        assert_eq!((s.num_blocks, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim), (5, 64, 8, 4, 8));
+        assert_eq!(
+            (
+                s.num_blocks,
+                s.hidden_size,
+                s.num_heads,
+                s.num_kv_heads,
+                s.head_dim
+            ),
+            (5, 64, 8, 4, 8)
+        );
         assert!(s.tie_embeddings);
         assert_eq!(s.eos_token_ids, vec![2]);
         assert_eq!(s.rope_style, RopeStyle::Half);
@@ -238,6 +252,9 @@ mod tests {
     #[test]
     fn inconsistent_heads_are_an_error() {
         let json = STORIES.replace("\"num_key_value_heads\":4", "\"num_key_value_heads\":3");
-        assert!(matches!(ModelSpec::from_hf_config("x", &json), Err(ModelError::Config(_))));
+        assert!(matches!(
+            ModelSpec::from_hf_config("x", &json),
+            Err(ModelError::Config(_))
+        ));
     }
 }

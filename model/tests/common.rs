@@ -4,7 +4,11 @@ use std::path::PathBuf;
 
 pub fn shared_models() -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/models");
-    assert!(root.exists(), "shared models not found at {} (../shared must sit beside the checkout)", root.display());
+    assert!(
+        root.exists(),
+        "shared models not found at {} (../shared must sit beside the checkout)",
+        root.display()
+    );
     root
 }
 
@@ -25,9 +29,18 @@ pub fn max_abs_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f32 {
     let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     assert_eq!(a.len(), b.len());
-    a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 pub fn argmax(logits: &candle_core::Tensor) -> u32 {
-    logits.flatten_all().unwrap().argmax(0).unwrap().to_scalar::<u32>().unwrap()
+    logits
+        .flatten_all()
+        .unwrap()
+        .argmax(0)
+        .unwrap()
+        .to_scalar::<u32>()
+        .unwrap()
 }

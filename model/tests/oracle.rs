@@ -30,7 +30,11 @@ impl Composed {
                 (span, cache)
             })
             .collect();
-        Self { head, spans, position: 0 }
+        Self {
+            head,
+            spans,
+            position: 0,
+        }
     }
 
     fn logits(&mut self, ids: &[u32]) -> Tensor {
@@ -44,7 +48,11 @@ impl Composed {
 }
 
 /// Runs the prompt, then 64 greedy steps, through both; each step compares logits and the chosen token.
-fn compare(ours: &mut Composed, mut oracle: impl FnMut(&[u32], usize) -> Tensor, prompt: &[u32]) -> Vec<u32> {
+fn compare(
+    ours: &mut Composed,
+    mut oracle: impl FnMut(&[u32], usize) -> Tensor,
+    prompt: &[u32],
+) -> Vec<u32> {
     let mut input = prompt.to_vec();
     let mut pos = 0;
     let mut tokens = vec![];
@@ -78,17 +86,26 @@ fn hf_safetensors_spans_match_candle_llama() {
 
     let dev = Device::Cpu;
     let cfg: llama::LlamaConfig =
-        serde_json::from_str(&std::fs::read_to_string(stories_hf().join("config.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(stories_hf().join("config.json")).unwrap())
+            .unwrap();
     let cfg = cfg.into_config(false);
     let vb = unsafe {
-        candle_nn::VarBuilder::from_mmaped_safetensors(&[stories_hf().join("model.safetensors")], DType::F32, &dev)
+        candle_nn::VarBuilder::from_mmaped_safetensors(
+            &[stories_hf().join("model.safetensors")],
+            DType::F32,
+            &dev,
+        )
     }
     .unwrap();
     let model = llama::Llama::load(vb, &cfg).unwrap();
     let mut cache = llama::Cache::new(true, DType::F32, &cfg, &dev).unwrap();
     let oracle = |ids: &[u32], pos: usize| {
         let x = Tensor::new(ids, &dev).unwrap().unsqueeze(0).unwrap();
-        model.forward(&x, pos, &mut cache).unwrap().squeeze(0).unwrap()
+        model
+            .forward(&x, pos, &mut cache)
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
     };
     let tokens = compare(&mut ours, oracle, &stories_prompt());
     assert_eq!(tokens.len(), STEPS);
@@ -98,7 +115,10 @@ fn hf_safetensors_spans_match_candle_llama() {
 /// n_kv_heads == n_heads, which stories260K (GQA) is not, so the test reads the documented layout itself.
 fn llama2c_oracle_weights(cfg: &llama2_c::Config, dev: &Device) -> HashMap<String, Tensor> {
     let bytes = std::fs::read(stories_bin()).unwrap();
-    let floats: Vec<f32> = bytes[28..].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    let floats: Vec<f32> = bytes[28..]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
     let (d, h, l) = (cfg.dim, cfg.hidden_dim, cfg.n_layers);
     let kv = d / cfg.n_heads * cfg.n_kv_heads;
     let mut at = 0;
@@ -163,7 +183,8 @@ fn llama2c_bin_spans_match_candle_llama2_c() {
         seq_len: s.max_position,
         norm_eps: 1e-5,
     };
-    let vb = candle_nn::VarBuilder::from_tensors(llama2c_oracle_weights(&cfg, &dev), DType::F32, &dev);
+    let vb =
+        candle_nn::VarBuilder::from_tensors(llama2c_oracle_weights(&cfg, &dev), DType::F32, &dev);
     let mut cache = llama2_c::Cache::new(true, &cfg, vb.pp("rot")).unwrap();
     let model = llama2_c::Llama::load(vb, cfg).unwrap();
     let oracle = |ids: &[u32], pos: usize| {

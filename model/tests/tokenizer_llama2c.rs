@@ -40,9 +40,17 @@ fn tok512_bin_matches_hf_tokenizer_json() {
         let b = hf.encode(text, false).unwrap();
         assert_eq!(a, b, "ids differ for {text:?}");
         // The literal text "<s>" is the special token in both (HF added-token matching).
-        assert_eq!(bin.decode(&a, false).unwrap(), hf.decode(&b, false).unwrap(), "{text:?}");
+        assert_eq!(
+            bin.decode(&a, false).unwrap(),
+            hf.decode(&b, false).unwrap(),
+            "{text:?}"
+        );
         if !text.contains("<s>") {
-            assert_eq!(bin.decode(&a, true).unwrap(), *text, "round trip of {text:?}");
+            assert_eq!(
+                bin.decode(&a, true).unwrap(),
+                *text,
+                "round trip of {text:?}"
+            );
         }
     }
     assert_eq!(bin.encode("", false).unwrap(), Vec::<u32>::new());
@@ -53,11 +61,17 @@ fn known_ids_for_once_upon_a_time() {
     let tok = Tokenizer::from_file(&stories_dir().join("tok512.bin")).unwrap();
     let ids = tok.encode("Once upon a time", true).unwrap();
     assert_eq!(ids[0], 1);
-    let pieces: Vec<String> = ids[1..].iter().map(|&id| tok.id_to_token(id).unwrap()).collect();
+    let pieces: Vec<String> = ids[1..]
+        .iter()
+        .map(|&id| tok.id_to_token(id).unwrap())
+        .collect();
     assert_eq!(pieces.concat(), "▁Once▁upon▁a▁time");
     // Unicode outside the vocabulary falls back to UTF-8 byte pieces <0xE2><0x98><0x83>.
     let snowman = tok.encode("☃", false).unwrap();
-    let snowman: Vec<String> = snowman.iter().map(|&id| tok.id_to_token(id).unwrap()).collect();
+    let snowman: Vec<String> = snowman
+        .iter()
+        .map(|&id| tok.id_to_token(id).unwrap())
+        .collect();
     assert_eq!(snowman, ["▁", "<0xE2>", "<0x98>", "<0x83>"]);
 }
 
@@ -81,8 +95,13 @@ fn special_tokens_and_bos() {
         let explicit = tok.encode("<s>Once upon a time", true).unwrap();
         assert_eq!(explicit.iter().filter(|&&id| id == 1).count(), 1);
         assert_eq!(tok.encode("", true).unwrap(), [1]);
+        // Ids past the vocabulary (models may pad their embedding) decode to nothing rather than failing.
+        assert_eq!(tok.decode(&[100_000], true).unwrap(), "");
         assert_eq!(tok.decode(&with_bos, true).unwrap(), "Once upon a time");
-        assert_eq!(tok.decode(&with_bos, false).unwrap(), "<s> Once upon a time");
+        assert_eq!(
+            tok.decode(&with_bos, false).unwrap(),
+            "<s> Once upon a time"
+        );
     }
 }
 
@@ -97,7 +116,10 @@ fn for_model_finds_every_form() {
         (dir.join("stories260K.bin"), None),
         (dir.join("hf"), None),
         (dir.join("hf/model.safetensors"), None),
-        (dir.join("stories260K.bin"), Some(dir.join("hf/tokenizer.json"))),
+        (
+            dir.join("stories260K.bin"),
+            Some(dir.join("hf/tokenizer.json")),
+        ),
         (dir.join("stories260K.bin"), Some(dir.join("tok512.bin"))),
         (dir.join("hf"), Some(dir.join("tok512.bin"))),
     ];
@@ -110,7 +132,12 @@ fn for_model_finds_every_form() {
         assert!(tok.add_bos_default());
         let ids = tok.encode("The cat sat. 42!", true).unwrap();
         assert_eq!(ids[0], 1);
-        assert_eq!(&ids[1..], &reference[..], "{} / {override_path:?}", model.display());
+        assert_eq!(
+            &ids[1..],
+            &reference[..],
+            "{} / {override_path:?}",
+            model.display()
+        );
     }
 }
 
@@ -126,17 +153,28 @@ fn llama2c_model_fallbacks_and_missing_tokenizer() {
         panic!("expected a tokenizer error, got {err:?}");
     };
     assert!(message.contains("--tokenizer"), "{message}");
-    assert!(message.contains("tok512.bin"), "tries tok{{vocab}}.bin: {message}");
+    assert!(
+        message.contains("tok512.bin"),
+        "tries tok{{vocab}}.bin: {message}"
+    );
     assert!(message.contains("tokenizer.json"), "{message}");
 
     std::fs::create_dir(tmp.path().join("hf")).unwrap();
-    std::fs::copy(stories_dir().join("hf/tokenizer.json"), tmp.path().join("hf/tokenizer.json")).unwrap();
+    std::fs::copy(
+        stories_dir().join("hf/tokenizer.json"),
+        tmp.path().join("hf/tokenizer.json"),
+    )
+    .unwrap();
     let tok = Tokenizer::for_model(&model, None).unwrap();
     assert_eq!(tok.encode("Hi", true).unwrap()[0], 1);
     assert_eq!(tok.eos_ids(), &[2]);
 
     // A differently named llama2.c tokenizer beside the model wins over hf/.
-    std::fs::copy(stories_dir().join("tok512.bin"), tmp.path().join("tokenizer.bin")).unwrap();
+    std::fs::copy(
+        stories_dir().join("tok512.bin"),
+        tmp.path().join("tokenizer.bin"),
+    )
+    .unwrap();
     let tok = Tokenizer::for_model(&model, None).unwrap();
     assert_eq!(tok.vocab_size(), 512);
 }
@@ -167,19 +205,36 @@ fn missing_and_corrupt_files_are_tokenizer_errors() {
     for path in &cases {
         match Tokenizer::from_file(path) {
             Err(ModelError::Tokenizer(message)) => assert!(!message.is_empty()),
-            Err(other) => panic!("{}: expected a tokenizer error, got {other:?}", path.display()),
+            Err(other) => panic!(
+                "{}: expected a tokenizer error, got {other:?}",
+                path.display()
+            ),
             Ok(_) => panic!("{}: loaded a tokenizer from garbage", path.display()),
         }
     }
     let err = Tokenizer::for_model(&tmp.path().join("nope.gguf"), None).unwrap_err();
     assert!(matches!(err, ModelError::Tokenizer(_)), "{err:?}");
     let err = Tokenizer::for_model(tmp.path(), None).unwrap_err();
-    assert!(matches!(err, ModelError::Tokenizer(ref m) if m.contains("--tokenizer")), "{err:?}");
+    assert!(
+        matches!(err, ModelError::Tokenizer(ref m) if m.contains("--tokenizer")),
+        "{err:?}"
+    );
     let bad_config = tempfile::tempdir().unwrap();
-    std::fs::copy(stories_dir().join("hf/tokenizer.json"), bad_config.path().join("tokenizer.json")).unwrap();
-    std::fs::write(bad_config.path().join("tokenizer_config.json"), b"{not json").unwrap();
+    std::fs::copy(
+        stories_dir().join("hf/tokenizer.json"),
+        bad_config.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    std::fs::write(
+        bad_config.path().join("tokenizer_config.json"),
+        b"{not json",
+    )
+    .unwrap();
     let err = Tokenizer::for_model(bad_config.path(), None).unwrap_err();
-    assert!(matches!(err, ModelError::Tokenizer(ref m) if m.contains("tokenizer_config.json")), "{err:?}");
+    assert!(
+        matches!(err, ModelError::Tokenizer(ref m) if m.contains("tokenizer_config.json")),
+        "{err:?}"
+    );
 }
 
 /// Reads tok512.bin as (piece, score) pairs, the way a GGUF converter sees the SentencePiece model.
@@ -216,7 +271,10 @@ fn gguf_llama_vocabulary_matches_hf() {
             gguf_file::Value::String(text)
         })
         .collect();
-    let scores = pieces.iter().map(|(_, s)| gguf_file::Value::F32(*s)).collect();
+    let scores = pieces
+        .iter()
+        .map(|(_, s)| gguf_file::Value::F32(*s))
+        .collect();
     let types = (0..pieces.len())
         .map(|id| {
             gguf_file::Value::I32(match id {
@@ -229,15 +287,24 @@ fn gguf_llama_vocabulary_matches_hf() {
         .collect();
     let template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}";
     let metadata = vec![
-        ("general.architecture", gguf_file::Value::String("llama".into())),
-        ("tokenizer.ggml.model", gguf_file::Value::String("llama".into())),
+        (
+            "general.architecture",
+            gguf_file::Value::String("llama".into()),
+        ),
+        (
+            "tokenizer.ggml.model",
+            gguf_file::Value::String("llama".into()),
+        ),
         ("tokenizer.ggml.tokens", gguf_file::Value::Array(tokens)),
         ("tokenizer.ggml.scores", gguf_file::Value::Array(scores)),
         ("tokenizer.ggml.token_type", gguf_file::Value::Array(types)),
         ("tokenizer.ggml.bos_token_id", gguf_file::Value::U32(1)),
         ("tokenizer.ggml.eos_token_id", gguf_file::Value::U32(2)),
         ("tokenizer.ggml.unknown_token_id", gguf_file::Value::U32(0)),
-        ("tokenizer.chat_template", gguf_file::Value::String(template.into())),
+        (
+            "tokenizer.chat_template",
+            gguf_file::Value::String(template.into()),
+        ),
     ];
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("stories-vocab.gguf");
@@ -249,7 +316,10 @@ fn gguf_llama_vocabulary_matches_hf() {
     let gguf = Tokenizer::for_model(&path, None).unwrap();
     let hf = Tokenizer::from_file(&stories_dir().join("hf/tokenizer.json")).unwrap();
     assert_eq!(gguf.vocab_size(), 512);
-    assert!(gguf.add_bos_default(), "SentencePiece GGUFs add BOS unless they say otherwise");
+    assert!(
+        gguf.add_bos_default(),
+        "SentencePiece GGUFs add BOS unless they say otherwise"
+    );
     assert_eq!(gguf.bos_id(), Some(1));
     assert_eq!(gguf.eos_ids(), &[2]);
     for text in TEXTS {

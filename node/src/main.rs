@@ -1,1 +1,207 @@
-fn main() {}
+//! `petal-node`: serve a span of blocks, run a bootstrap peer, or make an identity.
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use petal_model::placement::{parse_dtype, DeviceSpec};
+use petal_model::BlockRange;
+use petal_node::{devices, logging, Node, NodeConfig};
+use petal_p2p::{Keypair, Multiaddr};
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(
+    name = "petal-node",
+    version,
+    about = "Serve transformer blocks to a Petal swarm"
+)]
+struct Cli {
+    /// Log format on stderr (RUST_LOG sets the level).
+    #[arg(long, global = true, default_value = "text", value_parser = ["text", "json"])]
+    log_format: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve blocks A..B of a model.
+    Serve(Box<ServeArgs>),
+    /// Run a bootstrap peer: a DHT entry point that serves no blocks.
+    Bootstrap(BootstrapArgs),
+    /// Create a node identity (an ed25519 key) and print its peer id.
+    Identity {
+        /// File to write the new key to (refuses to overwrite).
+        #[arg(long = "new", value_name = "FILE")]
+        new: PathBuf,
+    },
+}
+
+#[derive(Args)]
+struct NetArgs {
+    /// Address to listen on (repeatable), e.g. /ip4/0.0.0.0/tcp/31337 or /ip4/0.0.0.0/udp/31337/quic-v1.
+    #[arg(long, default_values = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"])]
+    listen: Vec<Multiaddr>,
+    /// Key file from `petal-node identity --new` (a fresh identity when absent).
+    #[arg(long)]
+    identity: Option<PathBuf>,
+    /// How long DHT records live without a refresh (a killed node disappears within this).
+    #[arg(long, default_value_t = 60.0)]
+    record_ttl: f64,
+}
+
+impl NetArgs {
+    fn keypair(&self) -> anyhow::Result<Keypair> {
+        Ok(match &self.identity {
+            Some(path) => petal_p2p::load_from_file(path)?,
+            None => Keypair::generate_ed25519(),
+        })
+    }
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// Model: a Hugging Face directory, a .gguf file or a llama2.c .bin. Only the served blocks are read.
+    #[arg(long)]
+    model: PathBuf,
+    /// Blocks to serve, START..END (end exclusive), e.g. 10..20.
+    #[arg(long)]
+    blocks: BlockRange,
+    /// Device for every block: cpu, cuda:N, metal:N or auto.
+    #[arg(long, default_value = "cpu", conflicts_with = "devices")]
+    device: String,
+    /// Several devices to split the span across, e.g. cuda:0,cuda:1 or cpu,cuda:0.
+    #[arg(long)]
+    devices: Option<String>,
+    /// Blocks per device with --devices, e.g. 6,4 (default: in proportion to free memory).
+    #[arg(long, value_delimiter = ',', requires = "devices")]
+    split: Option<Vec<usize>>,
+    /// Compute dtype: f32, f16 or bf16 (default f32; GGUF weights stay quantized only in f32).
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Bootstrap peer(s), with /p2p/<peer id>.
+    #[arg(long)]
+    bootstrap: Vec<Multiaddr>,
+    /// A name shown in `petal swarm` and routes.
+    #[arg(long, default_value = "")]
+    public_name: String,
+    /// KV cache budget, in token positions summed over all sessions.
+    #[arg(long, default_value_t = 16384)]
+    cache_tokens: usize,
+    /// Most sessions open at once.
+    #[arg(long, default_value_t = 64)]
+    max_sessions: usize,
+    /// Seconds a session may sit idle before it is evicted.
+    #[arg(long, default_value_t = 300.0)]
+    session_timeout: f64,
+    /// Seconds running sessions get to finish after SIGTERM.
+    #[arg(long, default_value_t = 10.0)]
+    drain_timeout: f64,
+    #[command(flatten)]
+    net: NetArgs,
+}
+
+#[derive(Args)]
+struct BootstrapArgs {
+    #[command(flatten)]
+    net: NetArgs,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    logging::init(&cli.log_format, "info");
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Serve(args) => serve(*args).await,
+            Command::Bootstrap(args) => bootstrap(args).await,
+            Command::Identity { new } => {
+                let peer = petal_p2p::generate_to_file(&new)?;
+                println!("{peer}");
+                Ok(())
+            }
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Prints each listen address on its own line, so scripts and tests can pick them up.
+fn announce_addrs(addrs: &[Multiaddr]) {
+    let mut out = std::io::stdout().lock();
+    for a in addrs {
+        let _ = writeln!(out, "listening on {a}");
+    }
+    let _ = out.flush();
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let mut config = NodeConfig::new(args.model, args.blocks);
+    config.devices = match &args.devices {
+        Some(list) => devices::parse_devices(list)?,
+        None => vec![DeviceSpec::parse(&args.device)?],
+    };
+    config.split = args.split;
+    config.dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
+    config.keypair = args.net.keypair()?;
+    config.listen = args.net.listen.clone();
+    config.bootstrap = args.bootstrap;
+    config.public_name = args.public_name;
+    config.cache_tokens = args.cache_tokens;
+    config.max_sessions = args.max_sessions;
+    config.session_timeout = secs(args.session_timeout, "--session-timeout")?;
+    config.record_ttl = secs(args.net.record_ttl, "--record-ttl")?;
+    let node = Node::start(config).await?;
+    announce_addrs(node.listen_addrs());
+    println!(
+        "serving blocks {} of model {}",
+        args.blocks,
+        node.model_id()
+    );
+    let _ = std::io::stdout().flush();
+    wait_for_signal().await?;
+    node.shutdown(secs(args.drain_timeout, "--drain-timeout")?)
+        .await;
+    Ok(())
+}
+
+async fn bootstrap(args: BootstrapArgs) -> anyhow::Result<()> {
+    let ttl = secs(args.net.record_ttl, "--record-ttl")?;
+    let net =
+        petal_node::start_bootstrap(args.net.keypair()?, args.net.listen.clone(), ttl).await?;
+    announce_addrs(&net.listen_addrs().await);
+    wait_for_signal().await?;
+    net.shutdown().await;
+    Ok(())
+}
+
+fn secs(v: f64, flag: &str) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(v)
+        .with_context(|| format!("{flag} must be a non-negative number of seconds"))
+}
+
+/// Waits for SIGINT or SIGTERM.
+async fn wait_for_signal() -> anyhow::Result<()> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r?,
+        _ = term.recv() => {}
+    }
+    tracing::info!("signal received; shutting down");
+    Ok(())
+}

@@ -55,6 +55,39 @@ struct PendingStore {
     had_peers: bool,
 }
 
+/// Fails if `addr`'s fixed TCP or UDP port is already taken.
+///
+/// libp2p-tcp sets `SO_REUSEPORT` on its listeners, so a second node on the same port would bind successfully
+/// and the kernel would then spread incoming connections between the two processes. A plain bind (without
+/// `SO_REUSEPORT`) of the same port fails if anyone holds it; the probe socket is closed at once.
+fn probe_port_free(addr: &Multiaddr) -> Result<(), NetError> {
+    let mut ip = None;
+    for protocol in addr.iter() {
+        let busy = |e: std::io::Error| NetError::Listen {
+            addr: addr.clone(),
+            reason: e.to_string(),
+        };
+        match protocol {
+            Protocol::Ip4(v4) => ip = Some(std::net::IpAddr::V4(v4)),
+            Protocol::Ip6(v6) => ip = Some(std::net::IpAddr::V6(v6)),
+            Protocol::Tcp(port) if port != 0 => {
+                if let Some(ip) = ip {
+                    std::net::TcpListener::bind((ip, port)).map_err(busy)?;
+                }
+                return Ok(());
+            }
+            Protocol::Udp(port) if port != 0 => {
+                if let Some(ip) = ip {
+                    std::net::UdpSocket::bind((ip, port)).map_err(busy)?;
+                }
+                return Ok(());
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 pub(crate) struct Actor {
     swarm: Swarm<PetalBehaviour>,
     commands: mpsc::Receiver<Command>,
@@ -102,6 +135,7 @@ impl Actor {
     ) -> Result<(), NetError> {
         let mut waiting: HashMap<ListenerId, Multiaddr> = HashMap::new();
         for addr in addrs {
+            probe_port_free(addr)?;
             let id = self
                 .swarm
                 .listen_on(addr.clone())
@@ -153,7 +187,10 @@ impl Actor {
     /// node isolated for good after its bootstrap peer restarts.
     pub(crate) fn connect_bootstrap(&mut self) {
         for (peer, addr) in self.bootstrap.clone() {
-            self.swarm.behaviour_mut().kad.add_address(&peer, addr.clone());
+            self.swarm
+                .behaviour_mut()
+                .kad
+                .add_address(&peer, addr.clone());
             if self.swarm.is_connected(&peer) {
                 continue;
             }
@@ -199,6 +236,11 @@ impl Actor {
     }
 
     fn maintenance(&mut self) {
+        // Callers of `open_stream` that timed out leave their reply behind until the dial ends; drop them now.
+        self.connects.retain(|_, replies| {
+            replies.retain(|reply| !reply.is_closed());
+            !replies.is_empty()
+        });
         if !self.bootstrap.is_empty() && self.swarm.connected_peers().next().is_none() {
             tracing::debug!("not connected to any peer; re-dialing bootstrap peers");
             self.connect_bootstrap();
@@ -229,13 +271,17 @@ impl Actor {
         match command {
             Command::ListenAddrs { reply } => {
                 let local = *self.swarm.local_peer_id();
-                let mut addrs: Vec<Multiaddr> = self
+                let mut addrs: Vec<Multiaddr> = Vec::new();
+                for addr in self
                     .swarm
                     .listeners()
                     .chain(self.swarm.external_addresses())
-                    .map(|a| a.clone().with_p2p(local).unwrap_or_else(|a| a))
-                    .collect();
-                addrs.dedup();
+                {
+                    let addr = addr.clone().with_p2p(local).unwrap_or_else(|a| a);
+                    if !addrs.contains(&addr) {
+                        addrs.push(addr);
+                    }
+                }
                 let _ = reply.send(addrs);
             }
             Command::Bootstrap { reply } => {
@@ -413,14 +459,14 @@ impl Actor {
             SwarmEvent::Behaviour(PetalBehaviourEvent::Identify(event)) => {
                 self.on_identify_event(event)
             }
-            SwarmEvent::Behaviour(PetalBehaviourEvent::Ping(ping::Event { peer, result, .. })) => {
-                match result {
-                    Ok(rtt) => {
-                        self.rtts.insert(peer, rtt);
-                    }
-                    Err(e) => tracing::debug!(%peer, error = %e, "ping failed"),
+            SwarmEvent::Behaviour(PetalBehaviourEvent::Ping(ping::Event {
+                peer, result, ..
+            })) => match result {
+                Ok(rtt) => {
+                    self.rtts.insert(peer, rtt);
                 }
-            }
+                Err(e) => tracing::debug!(%peer, error = %e, "ping failed"),
+            },
             SwarmEvent::Behaviour(PetalBehaviourEvent::Stream(())) => {}
             SwarmEvent::NewListenAddr { address, .. } => {
                 tracing::info!(%address, "listening");

@@ -140,7 +140,9 @@ impl State {
             match self.network.start_providing(model_key(&model_id)).await {
                 Ok(()) => self.provided_model = Some(model_id),
                 Err(NetError::Closed) => return Err(NetError::Closed),
-                Err(e) => tracing::warn!(error = %e, %model_id, "cannot announce model; will retry"),
+                Err(e) => {
+                    tracing::warn!(error = %e, %model_id, "cannot announce model; will retry")
+                }
             }
         }
         if !self.provided_servers {

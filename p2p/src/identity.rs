@@ -39,7 +39,10 @@ pub fn generate_to_file(path: &Path) -> Result<PeerId, NetError> {
     }
     let mut file = options.open(path).map_err(|e| {
         if e.kind() == std::io::ErrorKind::AlreadyExists {
-            identity_error(path, "already exists; refusing to overwrite an identity key")
+            identity_error(
+                path,
+                "already exists; refusing to overwrite an identity key",
+            )
         } else {
             identity_error(path, e)
         }

@@ -1,11 +1,7 @@
 //! [`Network`]: the cheap, cloneable handle the node and the client hold. It builds the swarm, spawns the
 //! [`Actor`](crate::actor::Actor) and talks to it only through typed [`Command`]s.
 
-use std::{
-    collections::HashSet,
-    future::Future,
-    time::Duration,
-};
+use std::{collections::HashSet, future::Future, time::Duration};
 
 use libp2p::{
     identity::Keypair, kad::QueryId, multiaddr::Protocol, noise, tcp, yamux, Multiaddr, PeerId,

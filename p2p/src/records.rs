@@ -148,18 +148,12 @@ pub async fn find_servers(
         let Ok(peer) = record.peer_id.parse::<PeerId>() else {
             continue;
         };
-        let addrs: Vec<Multiaddr> = record
-            .addrs
-            .iter()
-            .filter_map(|a| a.parse().ok())
-            .collect();
+        let addrs: Vec<Multiaddr> = record.addrs.iter().filter_map(|a| a.parse().ok()).collect();
         if !addrs.is_empty() {
             net.add_addresses(peer, addrs).await;
         }
     }
-    live.sort_by(|a, b| {
-        (a.start_block, &a.peer_id).cmp(&(b.start_block, &b.peer_id))
-    });
+    live.sort_by(|a, b| (a.start_block, &a.peer_id).cmp(&(b.start_block, &b.peer_id)));
     Ok(live)
 }
 
@@ -180,7 +174,10 @@ mod tests {
     fn keys_are_distinct_and_readable() {
         let peer = PeerId::random();
         assert_eq!(model_key("abc"), b"/petal/model/abc".to_vec());
-        assert_eq!(server_key(&peer), format!("/petal/server/{peer}").into_bytes());
+        assert_eq!(
+            server_key(&peer),
+            format!("/petal/server/{peer}").into_bytes()
+        );
         assert_ne!(model_key("x"), SERVERS_KEY.to_vec());
     }
 

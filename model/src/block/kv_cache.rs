@@ -12,7 +12,10 @@ pub struct KvCache {
 
 impl KvCache {
     pub fn new(placement: Placement) -> Self {
-        Self { placement, kv: None }
+        Self {
+            placement,
+            kv: None,
+        }
     }
 
     pub fn placement(&self) -> &Placement {

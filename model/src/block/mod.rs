@@ -54,8 +54,12 @@ impl Block {
             }
             Ok(w)
         };
-        let norm = |t: BlockTensor| -> Result<RmsNorm> { Ok(RmsNorm::new(get(t, &[h])?.dense(p)?, spec.rms_eps)) };
-        let matmul = |t: BlockTensor, out: usize, inp: usize| -> Result<QMatMul> { get(t, &[out, inp])?.matmul(p) };
+        let norm = |t: BlockTensor| -> Result<RmsNorm> {
+            Ok(RmsNorm::new(get(t, &[h])?.dense(p)?, spec.rms_eps))
+        };
+        let matmul = |t: BlockTensor, out: usize, inp: usize| -> Result<QMatMul> {
+            get(t, &[out, inp])?.matmul(p)
+        };
         Ok(Self {
             index,
             attn_norm: norm(BlockTensor::AttnNorm)?,
@@ -96,7 +100,9 @@ impl Block {
     /// block's placement first: this is the block boundary where devices and dtypes may change.
     pub fn forward(&self, x: &Tensor, position: usize, cache: &mut KvCache) -> Result<Tensor> {
         let x = normalise(x, &self.placement)?;
-        let h = self.attn.forward(&self.attn_norm.forward(&x)?, position, cache)?;
+        let h = self
+            .attn
+            .forward(&self.attn_norm.forward(&x)?, position, cache)?;
         let x = (h + &x)?;
         let h = self.mlp.run(&self.ffn_norm.forward(&x)?)?;
         Ok((h + x)?)

@@ -70,7 +70,8 @@ fn inverse_frequencies(spec: &ModelSpec) -> Vec<f32> {
             } else if wavelen > low_wavelen {
                 freq / s.factor
             } else {
-                let smooth = (s.original_max_position_embeddings as f32 / wavelen - s.low_freq_factor)
+                let smooth = (s.original_max_position_embeddings as f32 / wavelen
+                    - s.low_freq_factor)
                     / (s.high_freq_factor - s.low_freq_factor);
                 (1.0 - smooth) * freq / s.factor + smooth * freq
             }

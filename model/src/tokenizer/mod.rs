@@ -126,6 +126,11 @@ impl Tokenizer {
         }
         match extension(path).as_deref() {
             Some("json") => Self::from_hf_json(path),
+            Some("model") => Err(ModelError::Tokenizer(format!(
+                "{} looks like a SentencePiece .model file, which is not supported; use the model's \
+                 tokenizer.json (or a llama2.c tokenizer.bin / a .gguf with a tokenizer)",
+                path.display()
+            ))),
             _ if is_gguf(path) => Self::from_gguf(path),
             Some("gguf") => Err(ModelError::Tokenizer(format!(
                 "{} is not a GGUF file (bad magic)",
@@ -472,4 +477,17 @@ pub(crate) fn from_json_value(spec: &serde_json::Value) -> Result<tokenizers::To
         .map_err(|e| ModelError::Tokenizer(format!("cannot serialise tokenizer: {e}")))?;
     tokenizers::Tokenizer::from_bytes(bytes)
         .map_err(|e| ModelError::Tokenizer(format!("cannot build tokenizer: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    /// Tokenizers are shared between tasks and threads (the client's sessions, the node's API).
+    #[test]
+    fn tokenizer_is_send_and_sync() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<super::Tokenizer>();
+        assert_send_sync::<crate::chat::ChatTemplate>();
+        assert_send_sync::<crate::sampling::Sampler>();
+        assert_send_sync::<crate::text_stream::StopMatcher>();
+    }
 }

@@ -43,7 +43,10 @@ impl GgufWeights {
     }
 
     pub fn tensor_dims(&self, name: &str) -> Option<Vec<usize>> {
-        self.content.tensor_infos.get(name).map(|i| i.shape.dims().to_vec())
+        self.content
+            .tensor_infos
+            .get(name)
+            .map(|i| i.shape.dims().to_vec())
     }
 
     fn load(&self, name: &str, device: &Device) -> Result<Weight> {
@@ -110,7 +113,9 @@ impl WeightSource for GgufWeights {
         let mut counts: BTreeMap<String, usize> = BTreeMap::new();
         for (name, info) in &self.content.tensor_infos {
             if name.starts_with("blk.") && info.shape.rank() == 2 {
-                *counts.entry(format!("{:?}", info.ggml_dtype).to_lowercase()).or_default() += 1;
+                *counts
+                    .entry(format!("{:?}", info.ggml_dtype).to_lowercase())
+                    .or_default() += 1;
             }
         }
         counts
@@ -127,17 +132,29 @@ impl WeightSource for GgufWeights {
             .file
             .lock()
             .map_err(|_| ModelError::Config("GGUF reader poisoned by an earlier panic".into()))?;
-        let file_len = file.seek(SeekFrom::End(0)).map_err(|e| ModelError::io(&self.path, e))?;
+        let file_len = file
+            .seek(SeekFrom::End(0))
+            .map_err(|e| ModelError::io(&self.path, e))?;
         for (name, info) in infos {
             hasher.update(name.as_bytes());
-            hasher.update(format!("{:?}{:?}{}", info.ggml_dtype, info.shape.dims(), info.offset).as_bytes());
+            hasher.update(
+                format!(
+                    "{:?}{:?}{}",
+                    info.ggml_dtype,
+                    info.shape.dims(),
+                    info.offset
+                )
+                .as_bytes(),
+            );
             let start = self.content.tensor_data_offset + info.offset;
             let block = info.ggml_dtype.block_size().max(1);
             let len = (info.shape.elem_count() / block * info.ggml_dtype.type_size()) as u64;
             for (off, n) in super::sample_ranges(start, len.min(file_len.saturating_sub(start))) {
                 let mut buf = vec![0u8; n as usize];
-                file.seek(SeekFrom::Start(off)).map_err(|e| ModelError::io(&self.path, e))?;
-                file.read_exact(&mut buf).map_err(|e| ModelError::io(&self.path, e))?;
+                file.seek(SeekFrom::Start(off))
+                    .map_err(|e| ModelError::io(&self.path, e))?;
+                file.read_exact(&mut buf)
+                    .map_err(|e| ModelError::io(&self.path, e))?;
                 hasher.update(&buf);
             }
         }

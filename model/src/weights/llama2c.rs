@@ -56,18 +56,32 @@ impl Llama2cWeights {
         let mut file = File::open(path).map_err(|e| ModelError::io(path, e))?;
         let file_len = file.metadata().map_err(|e| ModelError::io(path, e))?.len();
         let mut raw = [0u8; HEADER_BYTES as usize];
-        file.read_exact(&mut raw)
-            .map_err(|_| corrupt(format!("{file_len} bytes is shorter than the 28-byte header")))?;
+        file.read_exact(&mut raw).map_err(|_| {
+            corrupt(format!(
+                "{file_len} bytes is shorter than the 28-byte header"
+            ))
+        })?;
         let h: Vec<i32> = raw
             .chunks_exact(4)
             .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
         // Reject absurd headers before computing offsets with them.
         const LIMIT: i32 = 1 << 20;
-        let names = ["dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len"];
+        let names = [
+            "dim",
+            "hidden_dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "vocab_size",
+            "seq_len",
+        ];
         for (i, v) in h.iter().enumerate() {
             if *v == 0 || v.unsigned_abs() > LIMIT as u32 || (*v < 0 && i != 5) {
-                return Err(corrupt(format!("header field {} = {v} is out of range", names[i])));
+                return Err(corrupt(format!(
+                    "header field {} = {v} is out of range",
+                    names[i]
+                )));
             }
         }
         let header = Llama2cHeader {
@@ -80,7 +94,9 @@ impl Llama2cWeights {
             shared_classifier: h[5] > 0,
             seq_len: h[6] as usize,
         };
-        if header.dim % header.n_heads != 0 || header.n_heads % header.n_kv_heads != 0 {
+        if !header.dim.is_multiple_of(header.n_heads)
+            || !header.n_heads.is_multiple_of(header.n_kv_heads)
+        {
             return Err(corrupt(format!("inconsistent heads in header {header:?}")));
         }
         let (d, hd, l) = (header.dim, header.hidden_dim, header.n_layers);
@@ -169,12 +185,13 @@ impl Llama2cWeights {
         let n: usize = dims.iter().product();
         let mut bytes = vec![0u8; n * 4];
         {
-            let mut file = self
-                .file
-                .lock()
-                .map_err(|_| ModelError::Config("llama2.c reader poisoned by an earlier panic".into()))?;
-            file.seek(SeekFrom::Start(offset)).map_err(|e| ModelError::io(&self.path, e))?;
-            file.read_exact(&mut bytes).map_err(|e| ModelError::io(&self.path, e))?;
+            let mut file = self.file.lock().map_err(|_| {
+                ModelError::Config("llama2.c reader poisoned by an earlier panic".into())
+            })?;
+            file.seek(SeekFrom::Start(offset))
+                .map_err(|e| ModelError::io(&self.path, e))?;
+            file.read_exact(&mut bytes)
+                .map_err(|e| ModelError::io(&self.path, e))?;
         }
         let values: Vec<f32> = bytes
             .chunks_exact(4)
@@ -209,8 +226,12 @@ impl WeightSource for Llama2cWeights {
     fn load_head(&self, t: HeadTensor, device: &Device) -> Result<Option<Weight>> {
         let (v, d) = (self.header.vocab_size, self.header.dim);
         match t {
-            HeadTensor::Embed => self.read("token_embedding_table", self.embed.offset, &[v, d], device).map(Some),
-            HeadTensor::FinalNorm => self.read("rms_final_weight", self.final_norm.offset, &[d], device).map(Some),
+            HeadTensor::Embed => self
+                .read("token_embedding_table", self.embed.offset, &[v, d], device)
+                .map(Some),
+            HeadTensor::FinalNorm => self
+                .read("rms_final_weight", self.final_norm.offset, &[d], device)
+                .map(Some),
             HeadTensor::LmHead => match self.classifier {
                 None => Ok(None),
                 Some(r) => self.read("wcls", r.offset, &[v, d], device).map(Some),
@@ -219,7 +240,11 @@ impl WeightSource for Llama2cWeights {
     }
 
     fn block_of(&self, name: &str) -> Option<usize> {
-        name.strip_prefix("layers.")?.split('.').next()?.parse().ok()
+        name.strip_prefix("layers.")?
+            .split('.')
+            .next()?
+            .parse()
+            .ok()
     }
 
     fn log(&self) -> &LoadLog {
@@ -232,10 +257,9 @@ impl WeightSource for Llama2cWeights {
 
     fn fingerprint(&self, hasher: &mut Sha256) -> Result<()> {
         hasher.update(format!("{:?}{}", self.header, self.file_len).as_bytes());
-        let mut file = self
-            .file
-            .lock()
-            .map_err(|_| ModelError::Config("llama2.c reader poisoned by an earlier panic".into()))?;
+        let mut file = self.file.lock().map_err(|_| {
+            ModelError::Config("llama2.c reader poisoned by an earlier panic".into())
+        })?;
         let l = self.header.n_layers;
         let mut regions = vec![(self.embed, 1), (self.final_norm, 1)];
         regions.extend(self.blocks.iter().map(|(_, r, _)| (*r, l)));
@@ -245,8 +269,10 @@ impl WeightSource for Llama2cWeights {
                 let start = region.offset + (layer * region.per_layer * 4) as u64;
                 for (off, n) in super::sample_ranges(start, (region.per_layer * 4) as u64) {
                     let mut buf = vec![0u8; n as usize];
-                    file.seek(SeekFrom::Start(off)).map_err(|e| ModelError::io(&self.path, e))?;
-                    file.read_exact(&mut buf).map_err(|e| ModelError::io(&self.path, e))?;
+                    file.seek(SeekFrom::Start(off))
+                        .map_err(|e| ModelError::io(&self.path, e))?;
+                    file.read_exact(&mut buf)
+                        .map_err(|e| ModelError::io(&self.path, e))?;
                     hasher.update(&buf);
                 }
             }

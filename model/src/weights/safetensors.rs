@@ -50,7 +50,10 @@ impl SafetensorsWeights {
     }
 
     fn load(&self, name: &str, device: &Device) -> Result<Weight> {
-        let view = self.st.get(name).map_err(|_| ModelError::MissingTensor { name: name.into() })?;
+        let view = self
+            .st
+            .get(name)
+            .map_err(|_| ModelError::MissingTensor { name: name.into() })?;
         let bytes = view.data().len();
         let t = self.st.load(name, device)?;
         self.log.record(name, bytes);
@@ -109,7 +112,11 @@ impl WeightSource for SafetensorsWeights {
     }
 
     fn block_of(&self, name: &str) -> Option<usize> {
-        name.strip_prefix("model.layers.")?.split('.').next()?.parse().ok()
+        name.strip_prefix("model.layers.")?
+            .split('.')
+            .next()?
+            .parse()
+            .ok()
     }
 
     fn log(&self) -> &LoadLog {

@@ -1,0 +1,133 @@
+//! `petal demo`: a whole swarm in one process on loopback: a bootstrap peer and three nodes splitting the model,
+//! then one prompt answered through them with the route shown.
+use crate::args::SamplingArgs;
+use crate::generate::block_placement;
+use anyhow::Context;
+use clap::Args;
+use petal_client::{RemoteModel, SwarmClient};
+use petal_model::prompt::encode_prompt;
+use petal_model::{BlockRange, ModelSource, Placement};
+use petal_node::{Node, NodeConfig};
+use petal_p2p::Keypair;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Where the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) is looked for, in order.
+const DEFAULT_MODEL: &str = "smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+#[derive(Args, Debug)]
+pub struct DemoArgs {
+    /// Model to split (default: SmolLM2-135M-Instruct from ../shared/models or $PETAL_MODELS).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    #[arg(long, default_value = "What is the capital of France?")]
+    pub prompt: String,
+    /// Nodes to split the model across.
+    #[arg(long, default_value_t = 3)]
+    pub nodes: usize,
+    /// Send the prompt as plain text instead of through the chat template.
+    #[arg(long)]
+    pub no_chat: bool,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+}
+
+pub fn default_model() -> anyhow::Result<PathBuf> {
+    let mut roots = vec![];
+    if let Ok(dir) = std::env::var("PETAL_MODELS") {
+        roots.push(PathBuf::from(dir));
+    }
+    roots.push(PathBuf::from("../shared/models"));
+    roots.push(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/models"));
+    roots
+        .iter()
+        .map(|r| r.join(DEFAULT_MODEL))
+        .find(|p| p.exists())
+        .with_context(|| {
+            format!("default model {DEFAULT_MODEL} not found under $PETAL_MODELS or ../shared/models; pass --model PATH")
+        })
+}
+
+/// Splits `blocks` into `n` contiguous, nearly equal spans.
+pub fn split_blocks(blocks: usize, n: usize) -> Vec<BlockRange> {
+    let n = n.clamp(1, blocks.max(1));
+    (0..n)
+        .map(|i| BlockRange::new(i * blocks / n, (i + 1) * blocks / n))
+        .collect()
+}
+
+pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
+    let model = match args.model {
+        Some(m) => m,
+        None => default_model()?,
+    };
+    let config = args.sampling.config()?;
+    let source = ModelSource::open(&model)?;
+    let spans = split_blocks(source.spec().num_blocks, args.nodes);
+
+    let localhost: petal_p2p::Multiaddr = "/ip4/127.0.0.1/tcp/0".parse()?;
+    let bootstrap = petal_node::start_bootstrap(
+        Keypair::generate_ed25519(),
+        vec![localhost.clone()],
+        Duration::from_secs(60),
+    )
+    .await?;
+    let bootstrap_addrs = bootstrap.listen_addrs().await;
+    eprintln!(
+        "bootstrap  {}",
+        bootstrap_addrs
+            .first()
+            .map(ToString::to_string)
+            .unwrap_or_default()
+    );
+
+    let mut nodes = vec![];
+    for (i, range) in spans.iter().enumerate() {
+        let mut cfg = NodeConfig::new(model.clone(), *range);
+        cfg.listen = vec![localhost.clone()];
+        cfg.bootstrap = bootstrap_addrs.clone();
+        cfg.public_name = format!("node{}", i + 1);
+        let node = Node::start(cfg)
+            .await
+            .with_context(|| format!("starting node {} for blocks {range}", i + 1))?;
+        eprintln!("node{}      blocks {range:<7} {}", i + 1, node.peer_id());
+        nodes.push(node);
+    }
+
+    let client = SwarmClient::connect(bootstrap_addrs.clone()).await?;
+    let placement = block_placement(&source, &Placement::cpu_f32());
+    let remote = RemoteModel::open(&client, &source, placement, Duration::from_secs(30)).await?;
+    let tokenizer = source.tokenizer(None)?;
+    let chat = !args.no_chat && tokenizer.chat_template().is_some();
+    let prompt = encode_prompt(&tokenizer, &args.prompt, chat, None)?;
+    eprintln!(
+        "prompt     {:?}{}",
+        args.prompt,
+        if chat { " (chat)" } else { "" }
+    );
+    let output = remote
+        .generate(&tokenizer, &prompt, &config, |piece| {
+            print!("{piece}");
+            let _ = std::io::stdout().flush();
+        })
+        .await?;
+    println!();
+    eprintln!(
+        "route      client -> {} -> client",
+        remote.last_route().join(" -> ")
+    );
+    eprintln!(
+        "{} tokens at {:.1} tokens/s, first token after {:.0} ms, {} bytes on the wire",
+        output.tokens.len(),
+        output.tokens_per_second,
+        output.first_token_ms,
+        remote.last_bytes_on_wire()
+    );
+    client.shutdown().await;
+    for node in nodes {
+        node.shutdown(Duration::from_secs(1)).await;
+    }
+    bootstrap.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,62 @@
+//! `petal`: generate text locally or through a swarm, list the swarm, or run a whole local swarm as a demo.
+mod args;
+mod demo;
+mod generate;
+mod swarm;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "petal",
+    version,
+    about = "Run large language models over a peer-to-peer swarm"
+)]
+struct Cli {
+    /// Log format on stderr (RUST_LOG sets the level).
+    #[arg(long, global = true, default_value = "text", value_parser = ["text", "json"])]
+    log_format: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt, through the swarm or (--local) in this process.
+    Generate(generate::GenerateArgs),
+    /// Show which peers serve which blocks of which models.
+    Swarm(swarm::SwarmArgs),
+    /// Start a bootstrap and three nodes in-process, split the default model across them and answer a prompt.
+    Demo(demo::DemoArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The CLI prints results on stdout; logs below warnings would drown them.
+    petal_node::logging::init(&cli.log_format, "warn");
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Generate(a) => generate::run(a).await,
+            Command::Swarm(a) => swarm::run(a).await,
+            Command::Demo(a) => demo::run(a).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,271 @@
+//! The server side of the inference protocol: one task per incoming stream, owning that stream's sessions.
+//!
+//! Sessions belong to the stream that opened them, so another peer can never step or close them, and every way a
+//! stream ends (close, idle timeout, disconnect, protocol violation) drops its sessions and their cache budget.
+use crate::admission::Reservation;
+use crate::server::ServerContext;
+use petal_model::wire::{from_wire, to_wire};
+use petal_model::{BlockRange, ModelError, SpanCache};
+use petal_p2p::{PeerId, Stream};
+use petal_proto::pb::{self, request, response, ErrorCode};
+use petal_proto::{FrameError, FramedStream, PROTOCOL_VERSION};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Sessions one stream may hold at once: a client needs one per hop it routes through this server.
+const MAX_SESSIONS_PER_STREAM: usize = 16;
+/// Largest batch a step may carry.
+const MAX_BATCH: usize = 16;
+
+struct Session {
+    /// `None` only while a step runs on the blocking pool.
+    cache: Option<SpanCache>,
+    _reservation: Reservation,
+}
+
+type Reply = response::Kind;
+
+fn error(code: ErrorCode, message: impl Into<String>) -> Reply {
+    response::Kind::Error(pb::Error {
+        code: code as i32,
+        message: message.into(),
+    })
+}
+
+/// Serves one stream until it ends; never panics on peer input.
+pub async fn serve_stream(stream: Stream, peer: PeerId, ctx: Arc<ServerContext>) {
+    let mut framed = FramedStream::new(stream, ctx.max_frame_bytes);
+    let mut sessions: HashMap<u64, Session> = HashMap::new();
+    loop {
+        let received =
+            tokio::time::timeout(ctx.session_timeout, framed.recv::<pb::Request>()).await;
+        let reply = match received {
+            Err(_) => {
+                tracing::info!(%peer, sessions = sessions.len(), "stream idle past the session timeout; evicting");
+                break;
+            }
+            Ok(Ok(None)) => break,
+            Ok(Ok(Some(req))) => match req.kind {
+                Some(kind) => handle(kind, &mut sessions, &ctx).await,
+                None => error(ErrorCode::BadRequest, "empty or unknown request type"),
+            },
+            Ok(Err(e)) => {
+                tracing::debug!(%peer, error = %e, "bad frame");
+                match &e {
+                    // A whole frame that did not decode: answer and keep serving.
+                    FrameError::Decode(_) => error(ErrorCode::BadRequest, e.to_string()),
+                    // The stream is out of sync after an oversized prefix: answer, then close.
+                    FrameError::TooLarge { .. } => {
+                        let _ = framed
+                            .send(&pb::Response {
+                                kind: Some(error(ErrorCode::FrameTooLarge, e.to_string())),
+                            })
+                            .await;
+                        break;
+                    }
+                    _ => break,
+                }
+            }
+        };
+        if let Err(e) = framed.send(&pb::Response { kind: Some(reply) }).await {
+            tracing::debug!(%peer, error = %e, "cannot answer; dropping the stream");
+            break;
+        }
+    }
+    framed.close().await;
+    tracing::debug!(%peer, sessions = sessions.len(), "stream ended; sessions freed");
+}
+
+async fn handle(
+    kind: request::Kind,
+    sessions: &mut HashMap<u64, Session>,
+    ctx: &Arc<ServerContext>,
+) -> Reply {
+    match kind {
+        request::Kind::Open(open) => open_session(open, sessions, ctx),
+        request::Kind::Step(step) => run_step(step, sessions, ctx).await,
+        request::Kind::Close(close) => match sessions.remove(&close.session_id) {
+            Some(_) => response::Kind::Closed(pb::SessionClosed {
+                session_id: close.session_id,
+            }),
+            None => error(
+                ErrorCode::UnknownSession,
+                format!("no session {} on this stream", close.session_id),
+            ),
+        },
+        request::Kind::Info(_) => response::Kind::Info(ctx.record()),
+    }
+}
+
+fn open_session(
+    open: pb::OpenSession,
+    sessions: &mut HashMap<u64, Session>,
+    ctx: &Arc<ServerContext>,
+) -> Reply {
+    if open.protocol_version != PROTOCOL_VERSION {
+        return error(
+            ErrorCode::VersionMismatch,
+            format!(
+                "protocol version {} asked, {PROTOCOL_VERSION} served",
+                open.protocol_version
+            ),
+        );
+    }
+    if open.model_id != ctx.model_id {
+        return error(
+            ErrorCode::WrongModel,
+            format!("this server serves model {}", ctx.model_id),
+        );
+    }
+    let range = BlockRange::new(open.start_block as usize, open.end_block as usize);
+    let served = ctx.span.range();
+    if range.is_empty() || !served.covers(&range) {
+        return error(
+            ErrorCode::BlocksNotServed,
+            format!("blocks {range} asked, {served} served"),
+        );
+    }
+    let max_length = open.max_length as usize;
+    if max_length == 0 || max_length > ctx.span.spec().max_position {
+        return error(
+            ErrorCode::BadRequest,
+            format!(
+                "max_length {max_length} must be in 1..={}",
+                ctx.span.spec().max_position
+            ),
+        );
+    }
+    if sessions.len() >= MAX_SESSIONS_PER_STREAM {
+        return error(
+            ErrorCode::Busy,
+            format!("at most {MAX_SESSIONS_PER_STREAM} sessions per stream"),
+        );
+    }
+    let reservation = match ctx.admission.admit(max_length) {
+        Ok(r) => r,
+        Err(refusal) => return error(refusal.code(), refusal.to_string()),
+    };
+    let cache = match ctx.span.new_session(range, max_length) {
+        Ok(c) => c,
+        Err(e) => return error(ErrorCode::BadRequest, e.to_string()),
+    };
+    let mut session_id = rand::random::<u64>();
+    while session_id == 0 || sessions.contains_key(&session_id) {
+        session_id = rand::random();
+    }
+    sessions.insert(
+        session_id,
+        Session {
+            cache: Some(cache),
+            _reservation: reservation,
+        },
+    );
+    response::Kind::Opened(pb::SessionOpened {
+        session_id,
+        start_block: range.start as u32,
+        end_block: range.end as u32,
+        dtype: ctx.wire_dtype as i32,
+        max_length: max_length as u32,
+    })
+}
+
+async fn run_step(
+    step: pb::Step,
+    sessions: &mut HashMap<u64, Session>,
+    ctx: &Arc<ServerContext>,
+) -> Reply {
+    let Some(session) = sessions.get_mut(&step.session_id) else {
+        return error(
+            ErrorCode::UnknownSession,
+            format!("no session {} on this stream", step.session_id),
+        );
+    };
+    let Some(cache) = session.cache.as_ref() else {
+        return error(ErrorCode::Internal, "session is busy");
+    };
+    let Some(hidden) = step.hidden.as_ref() else {
+        return error(ErrorCode::BadRequest, "step without hidden states");
+    };
+    let hidden_size = ctx.span.spec().hidden_size;
+    let max_elements = MAX_BATCH * cache.max_length() * hidden_size;
+    let (dtype, shape) = match petal_proto::tensor::validate(hidden, max_elements) {
+        Ok(v) => v,
+        Err(e) => return error(e.error_code(), e.to_string()),
+    };
+    if dtype != ctx.wire_dtype {
+        return error(
+            ErrorCode::DtypeMismatch,
+            format!(
+                "hidden states in {}, this session takes {}",
+                dtype.name(),
+                ctx.wire_dtype.name()
+            ),
+        );
+    }
+    if shape.len() != 3 || shape[2] != hidden_size || shape[0] > MAX_BATCH {
+        return error(
+            ErrorCode::ShapeMismatch,
+            format!("hidden states of shape {shape:?}, expected [batch<={MAX_BATCH}, tokens, {hidden_size}]"),
+        );
+    }
+    if let Err(e) = petal_proto::tensor::check_finite(dtype, &hidden.data) {
+        return error(ErrorCode::NonFinite, e.to_string());
+    }
+    let position = step.position as usize;
+    if position != cache.position() || position + shape[1] > cache.max_length() {
+        return error(
+            ErrorCode::BadPosition,
+            format!(
+                "step at position {position} with {} tokens; the session holds {} of at most {}",
+                shape[1],
+                cache.position(),
+                cache.max_length()
+            ),
+        );
+    }
+    let x = match from_wire(hidden, dtype, &shape) {
+        Ok(x) => x,
+        Err(e) => return error(ErrorCode::BadRequest, e.to_string()),
+    };
+    // Compute off the async runtime; the cache travels to the blocking pool and back.
+    let Some(mut cache) = session.cache.take() else {
+        return error(ErrorCode::Internal, "session is busy");
+    };
+    let span = ctx.span.clone();
+    let started = Instant::now();
+    let joined = tokio::task::spawn_blocking(move || {
+        let out = span.forward(&x, position, &mut cache);
+        (cache, out)
+    })
+    .await;
+    let out = match joined {
+        Ok((cache, out)) => {
+            session.cache = Some(cache);
+            out
+        }
+        Err(e) => {
+            sessions.remove(&step.session_id);
+            return error(ErrorCode::Internal, format!("step failed: {e}"));
+        }
+    };
+    let compute_micros = started.elapsed().as_micros() as u64;
+    ctx.record_step(shape[0] * shape[1], compute_micros);
+    match out.and_then(|t| to_wire(&t, ctx.wire_dtype)) {
+        Ok(hidden) => response::Kind::Step(pb::StepResult {
+            session_id: step.session_id,
+            position: step.position,
+            hidden: Some(hidden),
+            compute_micros,
+        }),
+        Err(e @ (ModelError::Position { .. } | ModelError::TooLong { .. })) => {
+            error(ErrorCode::BadPosition, e.to_string())
+        }
+        Err(e) => {
+            // The cache may be half-updated: the session cannot continue.
+            sessions.remove(&step.session_id);
+            tracing::warn!(error = %e, "step failed; session dropped");
+            error(ErrorCode::Internal, e.to_string())
+        }
+    }
+}

@@ -1,0 +1,305 @@
+//! A running node: the span it serves, its network, its announcer and the stream handlers.
+use crate::admission::{Admission, Usage};
+use crate::devices;
+use candle_core::DType;
+use petal_model::placement::DeviceSpec;
+use petal_model::wire::wire_dtype;
+use petal_model::{BlockRange, BlockSpan, ModelSource};
+use petal_p2p::{Announcer, AnnouncerHandle, Keypair, Multiaddr, NetConfig, Network, PeerId};
+use petal_proto::pb;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// Everything `petal-node serve` is told.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub model: PathBuf,
+    pub blocks: BlockRange,
+    /// One device, or several to split the span across.
+    pub devices: Vec<DeviceSpec>,
+    pub split: Option<Vec<usize>>,
+    /// Compute dtype; `None` picks f32 (GGUF always computes in f32 to keep weights quantized).
+    pub dtype: Option<DType>,
+    pub keypair: Keypair,
+    pub listen: Vec<Multiaddr>,
+    pub bootstrap: Vec<Multiaddr>,
+    pub public_name: String,
+    /// KV cache budget in token positions across all sessions.
+    pub cache_tokens: usize,
+    pub max_sessions: usize,
+    pub session_timeout: Duration,
+    pub record_ttl: Duration,
+    pub max_frame_bytes: usize,
+}
+
+impl NodeConfig {
+    pub fn new(model: PathBuf, blocks: BlockRange) -> Self {
+        Self {
+            model,
+            blocks,
+            devices: vec![DeviceSpec::Cpu],
+            split: None,
+            dtype: None,
+            keypair: Keypair::generate_ed25519(),
+            listen: vec![],
+            bootstrap: vec![],
+            public_name: String::new(),
+            cache_tokens: 16384,
+            max_sessions: 64,
+            session_timeout: Duration::from_secs(300),
+            record_ttl: petal_p2p::DEFAULT_RECORD_TTL,
+            max_frame_bytes: petal_proto::DEFAULT_MAX_FRAME_BYTES,
+        }
+    }
+}
+
+/// What the stream handlers share.
+pub struct ServerContext {
+    pub span: Arc<BlockSpan>,
+    pub model_id: String,
+    pub wire_dtype: pb::WireDType,
+    pub admission: Arc<Admission>,
+    pub session_timeout: Duration,
+    pub max_frame_bytes: usize,
+    record: Mutex<pb::ServerRecord>,
+    pub tokens_processed: AtomicU64,
+    pub steps: AtomicU64,
+}
+
+impl ServerContext {
+    /// The current record, as answered to InfoRequest.
+    pub fn record(&self) -> pb::ServerRecord {
+        let mut r = self.record.lock().map(|r| r.clone()).unwrap_or_default();
+        apply_usage(&mut r, self.admission.usage());
+        r
+    }
+
+    pub fn record_step(&self, tokens: usize, _compute_micros: u64) {
+        self.tokens_processed
+            .fetch_add(tokens as u64, Ordering::Relaxed);
+        self.steps.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+fn apply_usage(r: &mut pb::ServerRecord, u: Usage) {
+    r.cache_tokens_free = u.tokens_free() as u64;
+    r.cache_tokens_total = u.tokens_total as u64;
+    r.sessions_open = u.sessions as u32;
+}
+
+/// A started node.
+pub struct Node {
+    net: Network,
+    announcer: AnnouncerHandle,
+    ctx: Arc<ServerContext>,
+    listen_addrs: Vec<Multiaddr>,
+    accept_task: tokio::task::JoinHandle<()>,
+}
+
+impl Node {
+    /// Loads the span, joins the swarm, starts serving and announcing. Bad models, ranges and devices fail here.
+    pub async fn start(config: NodeConfig) -> anyhow::Result<Node> {
+        let (span, source) = {
+            let config = config.clone();
+            tokio::task::spawn_blocking(move || load_span(&config)).await??
+        };
+        let model_id = source.model_id()?;
+        let span = Arc::new(span.0);
+        let (device_infos, quantization) = (span_infos(&config, &span)?, source.quantization());
+        let wire = wire_dtype(span.input_placement().dtype)?;
+        let throughput = {
+            let span = span.clone();
+            tokio::task::spawn_blocking(move || measure_throughput(&span)).await??
+        };
+
+        let mut net_config = NetConfig::new(config.keypair.clone());
+        net_config.listen = config.listen.clone();
+        net_config.bootstrap = config.bootstrap.clone();
+        net_config.dht_server = true;
+        net_config.record_ttl = config.record_ttl;
+        let net = Network::start(net_config).await?;
+        let listen_addrs = net.listen_addrs().await;
+        if let Err(e) = net.bootstrap().await {
+            tracing::warn!(error = %e, "DHT bootstrap failed; announcing to whoever connects");
+        }
+
+        let spec = source.spec();
+        let admission = Admission::new(config.cache_tokens, config.max_sessions);
+        let record = pb::ServerRecord {
+            record_version: petal_proto::RECORD_VERSION,
+            model_id: model_id.clone(),
+            model_name: spec.name.clone(),
+            num_blocks: spec.num_blocks as u32,
+            peer_id: net.peer_id().to_string(),
+            addrs: listen_addrs.iter().map(ToString::to_string).collect(),
+            start_block: config.blocks.start as u32,
+            end_block: config.blocks.end as u32,
+            dtype: wire as i32,
+            quantization,
+            throughput_tokens_per_sec: throughput as f32,
+            petal_version: env!("CARGO_PKG_VERSION").to_string(),
+            public_name: config.public_name.clone(),
+            devices: device_infos,
+            ..Default::default()
+        };
+        let ctx = Arc::new(ServerContext {
+            span,
+            model_id,
+            wire_dtype: wire,
+            admission: admission.clone(),
+            session_timeout: config.session_timeout,
+            max_frame_bytes: config.max_frame_bytes,
+            record: Mutex::new(record.clone()),
+            tokens_processed: AtomicU64::new(0),
+            steps: AtomicU64::new(0),
+        });
+        let (record_tx, record_rx) = watch::channel(ctx.record());
+        tokio::spawn(keep_record_current(
+            ctx.clone(),
+            admission.subscribe(),
+            record_tx,
+        ));
+        let announcer = Announcer::spawn(net.clone(), record_rx, config.record_ttl);
+
+        let mut incoming = net.accept_streams()?;
+        let accept_ctx = ctx.clone();
+        let accept_task = tokio::spawn(async move {
+            use futures::StreamExt;
+            while let Some((peer, stream)) = incoming.next().await {
+                tokio::spawn(crate::handler::serve_stream(
+                    stream,
+                    peer,
+                    accept_ctx.clone(),
+                ));
+            }
+        });
+        tracing::info!(
+            model = %ctx.model_id, blocks = %config.blocks, throughput = format!("{throughput:.1} tokens/s"),
+            "serving"
+        );
+        Ok(Node {
+            net,
+            announcer,
+            ctx,
+            listen_addrs,
+            accept_task,
+        })
+    }
+
+    pub fn peer_id(&self) -> PeerId {
+        self.net.peer_id()
+    }
+
+    /// Full listen addresses, with `/p2p/<peer id>`.
+    pub fn listen_addrs(&self) -> &[Multiaddr] {
+        &self.listen_addrs
+    }
+
+    pub fn model_id(&self) -> &str {
+        &self.ctx.model_id
+    }
+
+    pub fn context(&self) -> &Arc<ServerContext> {
+        &self.ctx
+    }
+
+    /// Graceful stop: withdraw the record, refuse new sessions, let running sessions go on for up to `drain`,
+    /// then close the network.
+    pub async fn shutdown(self, drain: Duration) {
+        self.ctx.admission.drain();
+        if let Err(e) = self.announcer.withdraw().await {
+            tracing::warn!(error = %e, "could not withdraw the DHT record; it expires by itself");
+        }
+        let deadline = tokio::time::Instant::now() + drain;
+        while self.ctx.admission.usage().sessions > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        self.accept_task.abort();
+        self.net.shutdown().await;
+        tracing::info!("node stopped");
+    }
+}
+
+/// The loaded span plus the source it came from (kept for the model id and metadata).
+struct LoadedSpan(BlockSpan);
+
+fn load_span(config: &NodeConfig) -> anyhow::Result<(LoadedSpan, ModelSource)> {
+    let devices = devices::open_devices(&config.devices)?;
+    let source = ModelSource::open(&config.model)?;
+    config.blocks.validate(source.spec().num_blocks)?;
+    let dtype = match source.format() {
+        petal_model::ModelFormat::Gguf => match config.dtype {
+            None | Some(DType::F32) => DType::F32,
+            // f16/bf16 GGUF spans run dequantized.
+            Some(d) => d,
+        },
+        _ => config.dtype.unwrap_or(DType::F32),
+    };
+    let counts = devices::plan_split(config.blocks.len(), &devices, config.split.as_deref())?;
+    let placements = devices::placements(&devices, &counts, dtype);
+    let span = source.load_span(config.blocks, &placements)?;
+    Ok((LoadedSpan(span), source))
+}
+
+fn span_infos(config: &NodeConfig, span: &BlockSpan) -> anyhow::Result<Vec<pb::DeviceInfo>> {
+    // Group consecutive blocks by device, as they were placed.
+    let mut devices: Vec<candle_core::Device> = vec![];
+    let mut counts: Vec<usize> = vec![];
+    for b in span.blocks() {
+        let d = &b.placement().device;
+        match devices.last() {
+            Some(last) if last.same_device(d) => *counts.last_mut().unwrap_or(&mut 0) += 1,
+            _ => {
+                devices.push(d.clone());
+                counts.push(1);
+            }
+        }
+    }
+    Ok(devices::device_infos(&devices, &counts, config.blocks))
+}
+
+/// Decode tokens per second through the whole span, from a few single-token steps of a throwaway session.
+fn measure_throughput(span: &BlockSpan) -> anyhow::Result<f64> {
+    const STEPS: usize = 8;
+    let mut session = span.new_session(span.range(), STEPS + 1)?;
+    let p = span.input_placement();
+    let x = candle_core::Tensor::zeros((1, 1, span.spec().hidden_size), p.dtype, &p.device)?;
+    span.forward(&x, 0, &mut session)?; // warm-up
+    let started = std::time::Instant::now();
+    for pos in 1..=STEPS {
+        span.forward(&x, pos, &mut session)?;
+    }
+    Ok(STEPS as f64 / started.elapsed().as_secs_f64().max(1e-9))
+}
+
+/// Keeps the announced record's free cache and session count current.
+async fn keep_record_current(
+    ctx: Arc<ServerContext>,
+    mut usage: watch::Receiver<Usage>,
+    record: watch::Sender<pb::ServerRecord>,
+) {
+    while usage.changed().await.is_ok() {
+        // Coalesce bursts of opens/closes into one DHT update.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        usage.borrow_and_update();
+        if record.send(ctx.record()).is_err() {
+            break;
+        }
+    }
+}
+
+/// A bootstrap peer: a DHT server that hosts no blocks.
+pub async fn start_bootstrap(
+    keypair: Keypair,
+    listen: Vec<Multiaddr>,
+    record_ttl: Duration,
+) -> anyhow::Result<Network> {
+    let mut config = NetConfig::new(keypair);
+    config.listen = listen;
+    config.dht_server = true;
+    config.record_ttl = record_ttl;
+    Ok(Network::start(config).await?)
+}
