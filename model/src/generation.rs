@@ -16,6 +16,9 @@ pub struct GenerationConfig {
     pub sampling: SamplingParams,
     /// Generation stops before any of these strings; they are not part of the output.
     pub stop: Vec<String>,
+    /// Keep generating past end-of-sequence tokens (benchmarks, fixed-length comparisons).
+    #[serde(default)]
+    pub ignore_eos: bool,
 }
 
 impl Default for GenerationConfig {
@@ -24,6 +27,7 @@ impl Default for GenerationConfig {
             max_new_tokens: 64,
             sampling: SamplingParams::default(),
             stop: vec![],
+            ignore_eos: false,
         }
     }
 }
@@ -69,7 +73,7 @@ impl<'t> Generation<'t> {
             sampler: Sampler::new(config.sampling.clone())?,
             stream: TextStream::new(tokenizer),
             stop: StopMatcher::new(config.stop.clone()),
-            eos: tokenizer.eos_ids().to_vec(),
+            eos: if config.ignore_eos { vec![] } else { tokenizer.eos_ids().to_vec() },
             history: prompt.to_vec(),
             generated: vec![],
             max_new_tokens: config.max_new_tokens,

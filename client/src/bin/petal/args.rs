@@ -26,6 +26,9 @@ pub struct SamplingArgs {
     /// Stop before this string (repeatable).
     #[arg(long = "stop")]
     pub stop: Vec<String>,
+    /// Keep generating past end-of-sequence tokens (fixed-length runs and comparisons).
+    #[arg(long)]
+    pub ignore_eos: bool,
 }
 
 impl SamplingArgs {
@@ -43,6 +46,7 @@ impl SamplingArgs {
             max_new_tokens: self.max_new_tokens,
             sampling,
             stop: self.stop.clone(),
+            ignore_eos: self.ignore_eos,
         })
     }
 }
