@@ -71,7 +71,7 @@ impl<'t> Generation<'t> {
     ) -> Result<Self> {
         Ok(Self {
             sampler: Sampler::new(config.sampling.clone())?,
-            stream: TextStream::new(tokenizer),
+            stream: TextStream::with_context(tokenizer, prompt),
             stop: StopMatcher::new(config.stop.clone()),
             eos: if config.ignore_eos { vec![] } else { tokenizer.eos_ids().to_vec() },
             history: prompt.to_vec(),
