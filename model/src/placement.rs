@@ -224,8 +224,11 @@ pub fn metal_device_count() -> usize {
 /// Free and total memory of a device in bytes, when the backend can tell (CUDA); None on CPU and Metal.
 pub fn device_memory(d: &Device) -> Option<(u64, u64)> {
     #[cfg(feature = "cuda")]
-    if let Device::Cuda(_) = d {
-        return candle_core::cuda::cudarc::driver::result::mem_get_info()
+    if let Device::Cuda(c) = d {
+        return c
+            .cuda_stream()
+            .context()
+            .mem_get_info()
             .ok()
             .map(|(free, total)| (free as u64, total as u64));
     }
