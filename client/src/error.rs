@@ -25,6 +25,25 @@ pub enum ClientError {
     Timeout { peer: String, seconds: f64 },
 }
 
+impl ClientError {
+    /// Whether another server might succeed where this one failed: connection trouble, timeouts, and refusals that
+    /// depend on the server's state. Bad requests and model mismatches would fail anywhere.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::Net(_) | Self::Protocol { .. } | Self::Timeout { .. } => true,
+            Self::Server { code, .. } => matches!(
+                code,
+                pb::ErrorCode::Internal
+                    | pb::ErrorCode::ShuttingDown
+                    | pb::ErrorCode::Busy
+                    | pb::ErrorCode::CacheFull
+                    | pb::ErrorCode::Unspecified
+            ),
+            Self::Model(_) | Self::Uncovered { .. } => false,
+        }
+    }
+}
+
 fn fmt_ranges(r: &[BlockRange]) -> String {
     r.iter()
         .map(ToString::to_string)

@@ -11,6 +11,6 @@ pub mod swarm;
 
 pub use error::ClientError;
 pub use remote_model::RemoteModel;
-pub use router::{plan_route, Hop};
-pub use session::InferenceSession;
+pub use router::{plan_range, plan_route, Hop};
+pub use session::{Failover, InferenceSession, SessionConfig};
 pub use swarm::SwarmClient;

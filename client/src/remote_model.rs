@@ -1,17 +1,13 @@
 //! Generation through the swarm: the client keeps embeddings, final norm, LM head and sampling; the blocks run on
 //! the chain of servers.
 use crate::error::Result;
-use crate::session::InferenceSession;
+use crate::session::{Failover, InferenceSession, SessionConfig};
 use crate::swarm::SwarmClient;
 use petal_model::generation::{Generation, GenerationConfig, GenerationOutput, GenerationTimer};
 use petal_model::tokenizer::Tokenizer;
 use petal_model::{Head, ModelSource, Placement};
-use std::collections::HashSet;
 use std::sync::Mutex;
 use std::time::Duration;
-
-/// Time a server gets to answer one request before the client gives up on it.
-pub const STEP_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub struct RemoteModel<'c> {
     client: &'c SwarmClient,
@@ -22,6 +18,7 @@ pub struct RemoteModel<'c> {
     discovery_timeout: Duration,
     last_route: Mutex<Vec<String>>,
     last_bytes: Mutex<u64>,
+    last_failovers: Mutex<Vec<Failover>>,
 }
 
 impl<'c> RemoteModel<'c> {
@@ -41,6 +38,7 @@ impl<'c> RemoteModel<'c> {
             discovery_timeout,
             last_route: Mutex::new(vec![]),
             last_bytes: Mutex::new(0),
+            last_failovers: Mutex::new(vec![]),
         })
     }
 
@@ -50,27 +48,18 @@ impl<'c> RemoteModel<'c> {
 
     /// Opens a session over a freshly planned chain able to hold `max_length` positions.
     pub async fn open_session(&self, max_length: usize) -> Result<InferenceSession> {
-        let route = self
-            .client
-            .plan(
-                &self.model_id,
-                self.num_blocks,
-                &HashSet::new(),
-                self.discovery_timeout,
-            )
-            .await?;
-        let session = InferenceSession::open(
-            self.client.network(),
+        let config = SessionConfig {
+            discovery_timeout: self.discovery_timeout,
+            ..SessionConfig::default()
+        };
+        InferenceSession::open(
+            self.client,
             &self.model_id,
-            route,
+            self.num_blocks,
             max_length,
-            STEP_TIMEOUT,
+            config,
         )
-        .await?;
-        if let Ok(mut r) = self.last_route.lock() {
-            *r = session.route();
-        }
-        Ok(session)
+        .await
     }
 
     /// Generates from `prompt` ids exactly as local generation does, calling `on_text` with each completed piece.
@@ -104,6 +93,12 @@ impl<'c> RemoteModel<'c> {
         if let Ok(mut b) = self.last_bytes.lock() {
             *b = session.bytes_on_wire();
         }
+        if let Ok(mut r) = self.last_route.lock() {
+            *r = session.route();
+        }
+        if let Ok(mut f) = self.last_failovers.lock() {
+            *f = session.failovers().to_vec();
+        }
         session.close().await;
         result?;
         Ok(timer.finish(prompt.len(), &generation, text))
@@ -114,6 +109,14 @@ impl<'c> RemoteModel<'c> {
         self.last_route
             .lock()
             .map(|r| r.clone())
+            .unwrap_or_default()
+    }
+
+    /// Servers replaced during the last generation.
+    pub fn last_failovers(&self) -> Vec<Failover> {
+        self.last_failovers
+            .lock()
+            .map(|f| f.clone())
             .unwrap_or_default()
     }
 

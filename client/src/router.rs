@@ -35,8 +35,8 @@ type Reach = Option<(usize, Duration, Option<(usize, usize)>)>;
 const UNKNOWN_RTT: Duration = Duration::from_millis(250);
 
 /// Plans a chain covering blocks `0..num_blocks` from live `servers`, skipping `banned` peers. From each position
-/// the chain may use any server whose span contains it and runs to that server's end; among chains with the fewest
-/// hops, the lowest sum of RTTs wins. Errors name the blocks nobody serves.
+/// the chain may use any server whose span contains it and runs to that server's end (or the target's); among
+/// chains with the fewest hops, the lowest sum of RTTs wins. Errors name the blocks nobody serves.
 pub fn plan_route(
     model_id: &str,
     servers: &[ServerRecord],
@@ -44,16 +44,33 @@ pub fn plan_route(
     rtt: impl Fn(&str) -> Option<Duration>,
     banned: &HashSet<String>,
 ) -> Result<Vec<Hop>> {
+    plan_range(
+        model_id,
+        servers,
+        BlockRange::new(0, num_blocks),
+        rtt,
+        banned,
+    )
+}
+
+/// Plans a chain covering `target` only, e.g. the blocks of a failed hop.
+pub fn plan_range(
+    model_id: &str,
+    servers: &[ServerRecord],
+    target: BlockRange,
+    rtt: impl Fn(&str) -> Option<Duration>,
+    banned: &HashSet<String>,
+) -> Result<Vec<Hop>> {
+    let (first, num_blocks) = (target.start, target.end);
     let usable: Vec<&ServerRecord> = servers
         .iter()
         .filter(|s| !banned.contains(&s.peer_id) && s.start_block < s.end_block)
-        .filter(|s| (s.end_block as usize) <= num_blocks)
         .collect();
     // Dijkstra over block positions with cost (hops, rtt); positions only move forward.
     let mut best: Vec<Reach> = vec![None; num_blocks + 1];
-    best[0] = Some((0, Duration::ZERO, None));
+    best[first] = Some((0, Duration::ZERO, None));
     let mut queue = BinaryHeap::new();
-    queue.push(std::cmp::Reverse((0usize, Duration::ZERO, 0usize)));
+    queue.push(std::cmp::Reverse((0usize, Duration::ZERO, first)));
     while let Some(std::cmp::Reverse((hops, cost, pos))) = queue.pop() {
         if pos == num_blocks {
             break;
@@ -62,7 +79,10 @@ pub fn plan_route(
             continue;
         }
         for (i, s) in usable.iter().enumerate() {
-            let (start, end) = (s.start_block as usize, s.end_block as usize);
+            let (start, end) = (
+                s.start_block as usize,
+                (s.end_block as usize).min(num_blocks),
+            );
             if !(start <= pos && pos < end) {
                 continue;
             }
@@ -76,7 +96,7 @@ pub fn plan_route(
     if best[num_blocks].is_none() {
         return Err(ClientError::Uncovered {
             model_id: model_id.to_string(),
-            missing: uncovered(&usable, num_blocks),
+            missing: uncovered(&usable, target),
         });
     }
     let mut hops = vec![];
@@ -92,14 +112,14 @@ pub fn plan_route(
     Ok(hops)
 }
 
-/// Maximal runs of blocks that no usable server holds.
-fn uncovered(servers: &[&ServerRecord], num_blocks: usize) -> Vec<BlockRange> {
+/// Maximal runs of blocks in `target` that no usable server holds.
+fn uncovered(servers: &[&ServerRecord], target: BlockRange) -> Vec<BlockRange> {
     let held: HashSet<usize> = servers
         .iter()
         .flat_map(|s| s.start_block as usize..s.end_block as usize)
         .collect();
     let mut out: Vec<BlockRange> = vec![];
-    for b in (0..num_blocks).filter(|b| !held.contains(b)) {
+    for b in (target.start..target.end).filter(|b| !held.contains(b)) {
         match out.last_mut() {
             Some(r) if r.end == b => r.end = b + 1,
             _ => out.push(BlockRange::new(b, b + 1)),
@@ -175,6 +195,17 @@ mod tests {
         let banned: HashSet<String> = ["whole".to_string(), "whole2".to_string()].into();
         let route = plan_with(&s, 5, &[], &banned).unwrap();
         assert_eq!(route.len(), 2);
+    }
+
+    #[test]
+    fn plans_a_sub_range_for_failover() {
+        let s = [server("a", 0, 3), server("b", 2, 5), server("c", 2, 4)];
+        let banned: HashSet<String> = ["b".to_string()].into();
+        let route = plan_range("m", &s, BlockRange::new(3, 5), |_| None, &banned).unwrap_err();
+        assert!(route.to_string().contains("4..5"), "{route}");
+        let route = plan_range("m", &s, BlockRange::new(3, 5), |_| None, &HashSet::new()).unwrap();
+        assert_eq!(route.len(), 1);
+        assert_eq!(route[0].range, BlockRange::new(3, 5));
     }
 
     #[test]

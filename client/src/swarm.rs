@@ -1,14 +1,21 @@
-//! Joining the swarm as a client and finding servers.
+//! Joining the swarm as a client, finding servers, and remembering which ones failed us.
 use crate::error::{ClientError, Result};
-use crate::router::{plan_route, Hop};
+use crate::router::{plan_range, Hop};
+use petal_model::BlockRange;
 use petal_p2p::{find_servers, Keypair, Multiaddr, NetConfig, Network};
 use petal_proto::pb::ServerRecord;
 use std::collections::{HashMap, HashSet};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-/// A client's membership of the swarm: a libp2p peer in DHT client mode.
+/// How long a server that failed a request is left out of new routes.
+pub const BAN_DURATION: Duration = Duration::from_secs(60);
+
+/// A client's membership of the swarm: a libp2p peer in DHT client mode. Cheap to clone.
+#[derive(Clone)]
 pub struct SwarmClient {
     net: Network,
+    banned: Arc<Mutex<HashMap<String, Instant>>>,
 }
 
 impl SwarmClient {
@@ -20,7 +27,10 @@ impl SwarmClient {
         if let Err(e) = net.bootstrap().await {
             tracing::warn!(error = %e, "DHT bootstrap failed; discovery may be incomplete");
         }
-        Ok(Self { net })
+        Ok(Self {
+            net,
+            banned: Arc::default(),
+        })
     }
 
     pub fn network(&self) -> &Network {
@@ -36,13 +46,31 @@ impl SwarmClient {
         Ok(find_servers(&self.net, model_id, timeout).await?)
     }
 
-    /// Finds servers and plans a chain covering `num_blocks` blocks, retrying discovery until `timeout` while some
-    /// blocks are uncovered (records spread through the DHT within seconds of a node starting).
+    /// Leaves `peer` out of routes for [`BAN_DURATION`].
+    pub fn ban(&self, peer: &str) {
+        if let Ok(mut b) = self.banned.lock() {
+            b.insert(peer.to_string(), Instant::now() + BAN_DURATION);
+        }
+    }
+
+    /// Peers currently banned.
+    pub fn banned(&self) -> HashSet<String> {
+        let now = Instant::now();
+        match self.banned.lock() {
+            Ok(mut b) => {
+                b.retain(|_, until| *until > now);
+                b.keys().cloned().collect()
+            }
+            Err(_) => HashSet::new(),
+        }
+    }
+
+    /// Finds servers and plans a chain covering `range`, retrying discovery until `timeout` while some blocks are
+    /// uncovered (records spread through the DHT within seconds of a node starting).
     pub async fn plan(
         &self,
         model_id: &str,
-        num_blocks: usize,
-        banned: &HashSet<String>,
+        range: BlockRange,
         timeout: Duration,
     ) -> Result<Vec<Hop>> {
         let deadline = tokio::time::Instant::now() + timeout;
@@ -59,12 +87,12 @@ impl SwarmClient {
                     }
                 }
             }
-            match plan_route(
+            match plan_range(
                 model_id,
                 &servers,
-                num_blocks,
+                range,
                 |p| rtts.get(p).copied(),
-                banned,
+                &self.banned(),
             ) {
                 Ok(route) => return Ok(route),
                 Err(ClientError::Uncovered { .. })

@@ -73,7 +73,11 @@ impl<'t> Generation<'t> {
             sampler: Sampler::new(config.sampling.clone())?,
             stream: TextStream::with_context(tokenizer, prompt),
             stop: StopMatcher::new(config.stop.clone()),
-            eos: if config.ignore_eos { vec![] } else { tokenizer.eos_ids().to_vec() },
+            eos: if config.ignore_eos {
+                vec![]
+            } else {
+                tokenizer.eos_ids().to_vec()
+            },
             history: prompt.to_vec(),
             generated: vec![],
             max_new_tokens: config.max_new_tokens,

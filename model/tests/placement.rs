@@ -21,14 +21,29 @@ fn prompt_hidden(source: &ModelSource) -> Tensor {
 fn wire_input_in_another_dtype_is_normalised() {
     let source = ModelSource::open(stories_hf()).unwrap();
     let x = prompt_hidden(&source);
-    for (wire, block) in [(DType::F32, DType::F16), (DType::F16, DType::F32), (DType::F32, DType::BF16)] {
-        let span = source.load_span_on(BlockRange::new(0, 5), &placement(block)).unwrap();
+    for (wire, block) in [
+        (DType::F32, DType::F16),
+        (DType::F16, DType::F32),
+        (DType::F32, DType::BF16),
+    ] {
+        let span = source
+            .load_span_on(BlockRange::new(0, 5), &placement(block))
+            .unwrap();
         let mut session = span.new_session(span.range(), 16).unwrap();
-        let out = span.forward(&x.to_dtype(wire).unwrap(), 0, &mut session).unwrap();
-        assert!(is_placed(&out, &placement(block)), "{wire:?} into a {block:?} span");
+        let out = span
+            .forward(&x.to_dtype(wire).unwrap(), 0, &mut session)
+            .unwrap();
+        assert!(
+            is_placed(&out, &placement(block)),
+            "{wire:?} into a {block:?} span"
+        );
         for cache in session.caches() {
             let (k, v) = cache.snapshot().unwrap();
-            assert_eq!((k.dtype(), v.dtype()), (block, block), "KV lives in the block's dtype");
+            assert_eq!(
+                (k.dtype(), v.dtype()),
+                (block, block),
+                "KV lives in the block's dtype"
+            );
         }
     }
 }
@@ -38,7 +53,9 @@ fn mixed_placements_in_one_span_match_f32() {
     let source = ModelSource::open(stories_hf()).unwrap();
     let x = prompt_hidden(&source);
     let reference = {
-        let span = source.load_span_on(BlockRange::new(0, 5), &Placement::cpu_f32()).unwrap();
+        let span = source
+            .load_span_on(BlockRange::new(0, 5), &Placement::cpu_f32())
+            .unwrap();
         let mut s = span.new_session(span.range(), 16).unwrap();
         span.forward(&x, 0, &mut s).unwrap()
     };
@@ -52,8 +69,17 @@ fn mixed_placements_in_one_span_match_f32() {
     let out = span.forward(&x, 0, &mut s).unwrap();
     assert_eq!(out.dtype(), DType::F16);
     let diff = max_abs_diff(&out.to_dtype(DType::F32).unwrap(), &reference);
-    let scale = reference.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-    assert!(diff < 0.05 * scale, "mixed-precision span drifted: {diff} (scale {scale})");
+    let scale = reference
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(
+        diff < 0.05 * scale,
+        "mixed-precision span drifted: {diff} (scale {scale})"
+    );
 }
 
 #[test]
@@ -64,25 +90,37 @@ fn restored_kv_in_another_dtype_is_normalised() {
     let next = head.embed(&[432]).unwrap();
 
     // An f32 session computes the prompt; its KV is then restored into an f16 session.
-    let f32_span = source.load_span_on(BlockRange::new(0, 5), &Placement::cpu_f32()).unwrap();
+    let f32_span = source
+        .load_span_on(BlockRange::new(0, 5), &Placement::cpu_f32())
+        .unwrap();
     let mut a = f32_span.new_session(f32_span.range(), 16).unwrap();
     f32_span.forward(&prompt, 0, &mut a).unwrap();
     let kv: Vec<(Tensor, Tensor)> = a.caches().iter().map(|c| c.snapshot().unwrap()).collect();
     assert!(kv.iter().all(|(k, _)| k.dtype() == DType::F32));
 
-    let f16_span = source.load_span_on(BlockRange::new(0, 5), &placement(DType::F16)).unwrap();
+    let f16_span = source
+        .load_span_on(BlockRange::new(0, 5), &placement(DType::F16))
+        .unwrap();
     let mut b = f16_span.new_session(f16_span.range(), 16).unwrap();
     b.restore(&kv).unwrap();
     assert_eq!(b.position(), 5);
     for cache in b.caches() {
-        assert_eq!(cache.snapshot().unwrap().0.dtype(), DType::F16, "restored KV must be normalised");
+        assert_eq!(
+            cache.snapshot().unwrap().0.dtype(),
+            DType::F16,
+            "restored KV must be normalised"
+        );
     }
     // The next step concatenates f16 keys onto the restored ones and must agree with the f32 session.
     let out_b = f16_span.forward(&next, 5, &mut b).unwrap();
     let out_a = f32_span.forward(&next, 5, &mut a).unwrap();
     let la = head.logits(&out_a).unwrap();
     let lb = head.logits(&out_b).unwrap();
-    assert_eq!(argmax(&la), argmax(&lb), "f16 continuation of restored KV picks another token");
+    assert_eq!(
+        argmax(&la),
+        argmax(&lb),
+        "f16 continuation of restored KV picks another token"
+    );
 }
 
 #[test]
@@ -99,12 +137,20 @@ fn normalise_moves_and_casts_once() {
 #[test]
 fn refused_steps_leave_the_session_untouched() {
     let source = ModelSource::open(stories_hf()).unwrap();
-    let span = source.load_span_on(BlockRange::new(0, 5), &Placement::cpu_f32()).unwrap();
+    let span = source
+        .load_span_on(BlockRange::new(0, 5), &Placement::cpu_f32())
+        .unwrap();
     let mut s = span.new_session(span.range(), 8).unwrap();
     let x = prompt_hidden(&source);
-    assert!(span.forward(&x, 3, &mut s).is_err(), "out-of-order position");
+    assert!(
+        span.forward(&x, 3, &mut s).is_err(),
+        "out-of-order position"
+    );
     let wrong = Tensor::zeros((1, 2, 63), DType::F32, &Device::Cpu).unwrap();
-    assert!(span.forward(&wrong, 0, &mut s).is_err(), "wrong hidden size");
+    assert!(
+        span.forward(&wrong, 0, &mut s).is_err(),
+        "wrong hidden size"
+    );
     span.forward(&x, 0, &mut s).unwrap();
     let long = Tensor::zeros((1, 4, 64), DType::F32, &Device::Cpu).unwrap();
     assert!(span.forward(&long, 5, &mut s).is_err(), "past max_length");
