@@ -21,10 +21,23 @@ const MAX_BATCH: usize = 16;
 struct Session {
     /// `None` only while a step runs on the blocking pool.
     cache: Option<SpanCache>,
+    last_used: Instant,
     _reservation: Reservation,
 }
 
-type Reply = response::Kind;
+/// Drops sessions unused for longer than the timeout, even on a stream that stays busy with other requests.
+fn evict_idle(sessions: &mut HashMap<u64, Session>, timeout: std::time::Duration) {
+    let before = sessions.len();
+    sessions.retain(|_, s| s.last_used.elapsed() <= timeout);
+    if sessions.len() < before {
+        tracing::info!(
+            evicted = before - sessions.len(),
+            "sessions idle past the session timeout evicted"
+        );
+    }
+}
+
+pub type Reply = response::Kind;
 
 fn error(code: ErrorCode, message: impl Into<String>) -> Reply {
     response::Kind::Error(pb::Error {
@@ -33,23 +46,44 @@ fn error(code: ErrorCode, message: impl Into<String>) -> Reply {
     })
 }
 
+/// The sessions of one stream and the request state machine over them, apart from any I/O (so it can be driven
+/// directly by tests and the fuzzer).
+#[derive(Default)]
+pub struct StreamState {
+    sessions: HashMap<u64, Session>,
+}
+
+impl StreamState {
+    /// Answers one request. Never panics, whatever the request.
+    pub async fn handle(&mut self, request: pb::Request, ctx: &Arc<ServerContext>) -> Reply {
+        match request.kind {
+            Some(kind) => {
+                evict_idle(&mut self.sessions, ctx.session_timeout);
+                handle(kind, &mut self.sessions, ctx).await
+            }
+            None => error(ErrorCode::BadRequest, "empty or unknown request type"),
+        }
+    }
+
+    pub fn open_sessions(&self) -> usize {
+        self.sessions.len()
+    }
+}
+
 /// Serves one stream until it ends; never panics on peer input.
 pub async fn serve_stream(stream: Stream, peer: PeerId, ctx: Arc<ServerContext>) {
     let mut framed = FramedStream::new(stream, ctx.max_frame_bytes);
-    let mut sessions: HashMap<u64, Session> = HashMap::new();
+    let mut state = StreamState::default();
     loop {
         let received =
             tokio::time::timeout(ctx.session_timeout, framed.recv::<pb::Request>()).await;
         let reply = match received {
             Err(_) => {
-                tracing::info!(%peer, sessions = sessions.len(), "stream idle past the session timeout; evicting");
+                tracing::info!(%peer, sessions = state.open_sessions(), "stream idle past the session timeout; evicting");
                 break;
             }
             Ok(Ok(None)) => break,
-            Ok(Ok(Some(req))) => match req.kind {
-                Some(kind) => handle(kind, &mut sessions, &ctx).await,
-                None => error(ErrorCode::BadRequest, "empty or unknown request type"),
-            },
+            Ok(Ok(Some(req))) => state.handle(req, &ctx).await,
             Ok(Err(e)) => {
                 tracing::debug!(%peer, error = %e, "bad frame");
                 match &e {
@@ -74,7 +108,7 @@ pub async fn serve_stream(stream: Stream, peer: PeerId, ctx: Arc<ServerContext>)
         }
     }
     framed.close().await;
-    tracing::debug!(%peer, sessions = sessions.len(), "stream ended; sessions freed");
+    tracing::debug!(%peer, sessions = state.open_sessions(), "stream ended; sessions freed");
 }
 
 async fn handle(
@@ -158,6 +192,7 @@ fn open_session(
         session_id,
         Session {
             cache: Some(cache),
+            last_used: Instant::now(),
             _reservation: reservation,
         },
     );
@@ -181,6 +216,7 @@ async fn run_step(
             format!("no session {} on this stream", step.session_id),
         );
     };
+    session.last_used = Instant::now();
     let Some(cache) = session.cache.as_ref() else {
         return error(ErrorCode::Internal, "session is busy");
     };

@@ -70,6 +70,29 @@ pub struct ServerContext {
 }
 
 impl ServerContext {
+    /// The state shared by a node's stream handlers; `record` is the node's announcement (usage fields are filled
+    /// in from `admission` whenever it is read).
+    pub fn new(
+        span: Arc<BlockSpan>,
+        model_id: String,
+        admission: Arc<Admission>,
+        session_timeout: Duration,
+        max_frame_bytes: usize,
+        record: pb::ServerRecord,
+    ) -> anyhow::Result<Self> {
+        Ok(Self {
+            wire_dtype: wire_dtype(span.input_placement().dtype)?,
+            span,
+            model_id,
+            admission,
+            session_timeout,
+            max_frame_bytes,
+            record: Mutex::new(record),
+            tokens_processed: AtomicU64::new(0),
+            steps: AtomicU64::new(0),
+        })
+    }
+
     /// The current record, as answered to InfoRequest.
     pub fn record(&self) -> pb::ServerRecord {
         let mut r = self.record.lock().map(|r| r.clone()).unwrap_or_default();
@@ -145,17 +168,14 @@ impl Node {
             devices: device_infos,
             ..Default::default()
         };
-        let ctx = Arc::new(ServerContext {
+        let ctx = Arc::new(ServerContext::new(
             span,
             model_id,
-            wire_dtype: wire,
-            admission: admission.clone(),
-            session_timeout: config.session_timeout,
-            max_frame_bytes: config.max_frame_bytes,
-            record: Mutex::new(record.clone()),
-            tokens_processed: AtomicU64::new(0),
-            steps: AtomicU64::new(0),
-        });
+            admission.clone(),
+            config.session_timeout,
+            config.max_frame_bytes,
+            record,
+        )?);
         let (record_tx, record_rx) = watch::channel(ctx.record());
         tokio::spawn(keep_record_current(
             ctx.clone(),

@@ -1,0 +1,476 @@
+//! Random-weight Llama models written as Hugging Face directories (`config.json` + `model.safetensors`).
+//!
+//! Benchmarks need shapes no model on disk has (a 1B model on a machine with only a 135M one), and tests need
+//! models they can build in milliseconds. Weights are uniform on a grid of `k / 4096` for `k` in `-127..=127`
+//! (std ~0.018, close to the usual 0.02 init), so every value is exact in f32, f16 and bf16: the same seed gives
+//! the same model in any dtype, and activations stay finite through many blocks. Norm weights are 1.
+//!
+//! The file is streamed tensor by tensor through a byte lookup table, so a 1B model is written in seconds and never
+//! held in memory. Only `std` and `serde_json` are used.
+use std::fs::File;
+use std::io::{self, BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+/// The dtype weights are stored in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightDType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl WeightDType {
+    /// Parses `f32`, `f16` or `bf16` (as `--dtype` takes them).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "f32" | "float32" => Some(Self::F32),
+            "f16" | "float16" | "half" => Some(Self::F16),
+            "bf16" | "bfloat16" => Some(Self::BF16),
+            _ => None,
+        }
+    }
+
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 | Self::BF16 => 2,
+        }
+    }
+
+    /// The dtype's name in a safetensors header.
+    fn safetensors_name(self) -> &'static str {
+        match self {
+            Self::F32 => "F32",
+            Self::F16 => "F16",
+            Self::BF16 => "BF16",
+        }
+    }
+
+    /// Lower-case name, as in directory names and `--dtype`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::F16 => "f16",
+            Self::BF16 => "bf16",
+        }
+    }
+}
+
+/// The shape of a Llama-family model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SyntheticShape {
+    pub name: &'static str,
+    pub hidden_size: usize,
+    pub num_blocks: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub intermediate_size: usize,
+    pub vocab_size: usize,
+    pub tie_embeddings: bool,
+    pub max_position: usize,
+}
+
+/// Named shapes: a tiny one for smoke tests, SmolLM2-135M's and llama-160m's, and a Llama-3.2-1B-like one
+/// (its vocabulary cut to 32000 to keep the client's head small).
+pub const SHAPES: &[SyntheticShape] = &[
+    SyntheticShape {
+        name: "tiny",
+        hidden_size: 256,
+        num_blocks: 4,
+        num_heads: 4,
+        num_kv_heads: 2,
+        intermediate_size: 704,
+        vocab_size: 4096,
+        tie_embeddings: true,
+        max_position: 2048,
+    },
+    SyntheticShape {
+        name: "135m",
+        hidden_size: 576,
+        num_blocks: 30,
+        num_heads: 9,
+        num_kv_heads: 3,
+        intermediate_size: 1536,
+        vocab_size: 49152,
+        tie_embeddings: true,
+        max_position: 2048,
+    },
+    SyntheticShape {
+        name: "160m",
+        hidden_size: 768,
+        num_blocks: 12,
+        num_heads: 12,
+        num_kv_heads: 12,
+        intermediate_size: 3072,
+        vocab_size: 32000,
+        tie_embeddings: false,
+        max_position: 2048,
+    },
+    SyntheticShape {
+        name: "1b",
+        hidden_size: 2048,
+        num_blocks: 16,
+        num_heads: 32,
+        num_kv_heads: 8,
+        intermediate_size: 8192,
+        vocab_size: 32000,
+        tie_embeddings: true,
+        max_position: 2048,
+    },
+];
+
+impl SyntheticShape {
+    /// The shape called `name` in [`SHAPES`].
+    pub fn named(name: &str) -> Option<Self> {
+        SHAPES
+            .iter()
+            .find(|s| s.name.eq_ignore_ascii_case(name.trim()))
+            .copied()
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_heads
+    }
+
+    /// Every tensor of the model, in file order, with its shape.
+    pub fn tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let (h, ff, hd) = (self.hidden_size, self.intermediate_size, self.head_dim());
+        let (q, kv) = (self.num_heads * hd, self.num_kv_heads * hd);
+        let mut t = vec![(
+            "model.embed_tokens.weight".to_string(),
+            vec![self.vocab_size, h],
+        )];
+        for i in 0..self.num_blocks {
+            let p = format!("model.layers.{i}");
+            t.extend([
+                (format!("{p}.input_layernorm.weight"), vec![h]),
+                (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
+                (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
+                (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
+                (format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
+                (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+                (format!("{p}.mlp.gate_proj.weight"), vec![ff, h]),
+                (format!("{p}.mlp.up_proj.weight"), vec![ff, h]),
+                (format!("{p}.mlp.down_proj.weight"), vec![h, ff]),
+            ]);
+        }
+        t.push(("model.norm.weight".to_string(), vec![h]));
+        if !self.tie_embeddings {
+            t.push(("lm_head.weight".to_string(), vec![self.vocab_size, h]));
+        }
+        t
+    }
+
+    /// Number of weights.
+    pub fn parameters(&self) -> u64 {
+        self.tensors()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>() as u64)
+            .sum()
+    }
+
+    /// A Hugging Face `config.json` for this shape.
+    pub fn config_json(&self, dtype: WeightDType) -> serde_json::Value {
+        serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_blocks,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim(),
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": self.tie_embeddings,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "torch_dtype": match dtype {
+                WeightDType::F32 => "float32",
+                WeightDType::F16 => "float16",
+                WeightDType::BF16 => "bfloat16",
+            },
+        })
+    }
+}
+
+/// What [`write_model`] did.
+#[derive(Debug, Clone)]
+pub struct Written {
+    pub dir: PathBuf,
+    /// Bytes of `model.safetensors`.
+    pub bytes: u64,
+    /// False when an identical model (same shape, dtype and seed) was already there and was kept.
+    pub written: bool,
+}
+
+/// The marker recording what a directory holds, so a kept `--synthetic-dir` is not rewritten.
+const MARKER: &str = "petal_synthetic.json";
+
+/// Writes a random-weight model of `shape` in `dtype` into `dir` (created if needed). If `dir` already holds the
+/// same shape, dtype and seed, it is kept as is.
+pub fn write_model(
+    dir: &Path,
+    shape: &SyntheticShape,
+    dtype: WeightDType,
+    seed: u64,
+) -> io::Result<Written> {
+    std::fs::create_dir_all(dir)?;
+    let marker = serde_json::json!({ "shape": shape.name, "dtype": dtype.name(), "seed": seed,
+        "config": shape.config_json(dtype) });
+    let weights = dir.join("model.safetensors");
+    if is_current(dir, &marker, &weights) {
+        let bytes = std::fs::metadata(&weights)?.len();
+        return Ok(Written {
+            dir: dir.to_path_buf(),
+            bytes,
+            written: false,
+        });
+    }
+    // The marker goes last: a write cut short leaves no marker and is redone next time.
+    let _ = std::fs::remove_file(dir.join(MARKER));
+    let config =
+        serde_json::to_string_pretty(&shape.config_json(dtype)).map_err(io::Error::other)?;
+    std::fs::write(dir.join("config.json"), config)?;
+    let bytes = write_safetensors(&weights, shape, dtype, seed)?;
+    std::fs::write(dir.join(MARKER), marker.to_string())?;
+    Ok(Written {
+        dir: dir.to_path_buf(),
+        bytes,
+        written: true,
+    })
+}
+
+fn is_current(dir: &Path, marker: &serde_json::Value, weights: &Path) -> bool {
+    let Ok(text) = std::fs::read_to_string(dir.join(MARKER)) else {
+        return false;
+    };
+    serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .as_ref()
+        == Some(marker)
+        && weights.exists()
+}
+
+/// Streams the safetensors file: header, then each tensor's bytes drawn from a seeded generator.
+fn write_safetensors(
+    path: &Path,
+    shape: &SyntheticShape,
+    dtype: WeightDType,
+    seed: u64,
+) -> io::Result<u64> {
+    let tensors = shape.tensors();
+    let header = safetensors_header(&tensors, dtype)?;
+    let mut out = BufWriter::with_capacity(1 << 20, File::create(path)?);
+    out.write_all(&(header.len() as u64).to_le_bytes())?;
+    out.write_all(&header)?;
+    let table = ValueTable::new(dtype);
+    for (name, dims) in &tensors {
+        let count: usize = dims.iter().product();
+        if dims.len() == 1 {
+            // Norm weights: all ones.
+            let one = encode(1.0, dtype);
+            for _ in 0..count {
+                out.write_all(&one)?;
+            }
+        } else {
+            let mut rng = SplitMix64::new(seed ^ fnv1a(name.as_bytes()));
+            table.write_random(&mut out, count, &mut rng)?;
+        }
+    }
+    out.flush()?;
+    Ok(8 + header.len() as u64
+        + tensors
+            .iter()
+            .map(|(_, d)| (d.iter().product::<usize>() * dtype.size_in_bytes()) as u64)
+            .sum::<u64>())
+}
+
+/// The JSON header (offsets in file order), padded with spaces to a multiple of 8 bytes as the format allows.
+fn safetensors_header(tensors: &[(String, Vec<usize>)], dtype: WeightDType) -> io::Result<Vec<u8>> {
+    let mut map = serde_json::Map::new();
+    map.insert(
+        "__metadata__".into(),
+        serde_json::json!({ "format": "pt", "petal": "synthetic" }),
+    );
+    let mut offset = 0usize;
+    for (name, dims) in tensors {
+        let len = dims.iter().product::<usize>() * dtype.size_in_bytes();
+        map.insert(
+            name.clone(),
+            serde_json::json!({ "dtype": dtype.safetensors_name(), "shape": dims,
+                "data_offsets": [offset, offset + len] }),
+        );
+        offset += len;
+    }
+    let mut header =
+        serde_json::to_vec(&serde_json::Value::Object(map)).map_err(io::Error::other)?;
+    while header.len() % 8 != 0 {
+        header.push(b' ');
+    }
+    Ok(header)
+}
+
+/// The encoded bytes of the 256 weight values, indexed by a random byte: byte `b` is `(b - 128) / 4096`, except 0
+/// which is 0, so values are symmetric around zero.
+struct ValueTable {
+    size: usize,
+    bytes: Vec<u8>,
+}
+
+impl ValueTable {
+    fn new(dtype: WeightDType) -> Self {
+        let bytes = (0..=255u8)
+            .flat_map(|b| {
+                let k = if b == 0 { 0 } else { i32::from(b) - 128 };
+                encode(k as f32 / 4096.0, dtype)
+            })
+            .collect();
+        Self {
+            size: dtype.size_in_bytes(),
+            bytes,
+        }
+    }
+
+    /// Writes `count` random values, eight per generator draw, a chunk at a time.
+    fn write_random(
+        &self,
+        out: &mut impl Write,
+        count: usize,
+        rng: &mut SplitMix64,
+    ) -> io::Result<()> {
+        const CHUNK: usize = 1 << 16;
+        let mut buf = Vec::with_capacity(CHUNK * self.size);
+        let mut left = count;
+        while left > 0 {
+            let n = left.min(CHUNK);
+            buf.clear();
+            let mut draws = 0;
+            let mut word = 0u64;
+            for _ in 0..n {
+                if draws == 0 {
+                    word = rng.next();
+                    draws = 8;
+                }
+                let b = (word & 0xff) as usize;
+                word >>= 8;
+                draws -= 1;
+                buf.extend_from_slice(&self.bytes[b * self.size..(b + 1) * self.size]);
+            }
+            out.write_all(&buf)?;
+            left -= n;
+        }
+        Ok(())
+    }
+}
+
+/// Little-endian bytes of `v` in `dtype`. Only exact for values with at most 8 significant bits and an exponent
+/// in f16's normal range (every value this module writes); the conversions are done by hand to need no crate.
+fn encode(v: f32, dtype: WeightDType) -> Vec<u8> {
+    let bits = v.to_bits();
+    match dtype {
+        WeightDType::F32 => bits.to_le_bytes().to_vec(),
+        WeightDType::BF16 => ((bits >> 16) as u16).to_le_bytes().to_vec(),
+        WeightDType::F16 => f16_bits(v).to_le_bytes().to_vec(),
+    }
+}
+
+/// The f16 bits of a value that f16 represents exactly as a normal number (or zero).
+fn f16_bits(v: f32) -> u16 {
+    if v == 0.0 {
+        return 0;
+    }
+    let bits = v.to_bits();
+    let sign = ((bits >> 16) & 0x8000) as u16;
+    let exp = ((bits >> 23) & 0xff) as i32 - 127 + 15;
+    debug_assert!(
+        (1..31).contains(&exp) && bits & 0x1fff == 0,
+        "{v} is not exact in f16"
+    );
+    sign | ((exp as u16) << 10) | ((bits >> 13) & 0x3ff) as u16
+}
+
+/// FNV-1a, to give each tensor its own stream from one seed whatever order tensors are written in.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// SplitMix64: tiny, fast and good enough for weights that only need to look random.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_are_exact_in_every_dtype() {
+        for k in [-127i32, -1, 1, 37, 127] {
+            let v = k as f32 / 4096.0;
+            let f16 = f16_bits(v);
+            // Decode f16 by hand: normal numbers only.
+            let exp = i32::from((f16 >> 10) & 0x1f) - 15;
+            let mant = 1.0 + f32::from(f16 & 0x3ff) / 1024.0;
+            let back = if f16 & 0x8000 != 0 { -1.0 } else { 1.0 } * mant * 2f32.powi(exp);
+            assert_eq!(back, v);
+            let bf16 = u16::from_le_bytes([
+                encode(v, WeightDType::BF16)[0],
+                encode(v, WeightDType::BF16)[1],
+            ]);
+            assert_eq!(f32::from_bits(u32::from(bf16) << 16), v);
+        }
+    }
+
+    #[test]
+    fn writes_a_well_formed_file_once() {
+        let dir = std::env::temp_dir().join(format!("petal-synthetic-test-{}", std::process::id()));
+        let shape = SyntheticShape::named("tiny").unwrap();
+        let w = write_model(&dir, &shape, WeightDType::BF16, 7).unwrap();
+        assert!(w.written);
+        let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+        assert_eq!(bytes.len() as u64, w.bytes);
+        assert_eq!(
+            w.bytes,
+            8 + header_len(&bytes) as u64 + shape.parameters() * 2
+        );
+        let header: serde_json::Value =
+            serde_json::from_slice(&bytes[8..8 + header_len(&bytes)]).unwrap();
+        assert_eq!(
+            header["model.layers.3.mlp.down_proj.weight"]["shape"],
+            serde_json::json!([256, 704])
+        );
+        assert!(header.get("lm_head.weight").is_none());
+        assert!(
+            !write_model(&dir, &shape, WeightDType::BF16, 7)
+                .unwrap()
+                .written
+        );
+        assert!(
+            write_model(&dir, &shape, WeightDType::F32, 7)
+                .unwrap()
+                .written
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn header_len(bytes: &[u8]) -> usize {
+        u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize
+    }
+}

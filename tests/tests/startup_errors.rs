@@ -1,0 +1,53 @@
+//! Bad `petal-node serve` input fails at once with a clear `error:` line, never a panic or a hang.
+use petal_tests::*;
+use std::process::Command;
+use std::time::Duration;
+
+/// Runs `petal-node serve ARGS --listen 127.0.0.1` and checks it fails quickly with an error naming `expect`.
+fn serve_fails(args: &[&str], expect: &[&str]) {
+    let mut cmd = Command::new(bin("petal-node"));
+    cmd.arg("serve").args(args).args(["--listen", LISTEN]);
+    let out = run_with_timeout(cmd, Duration::from_secs(30));
+    eprintln!("{out}\n");
+    assert!(!out.timed_out(), "serve with bad input did not exit\n{out}");
+    assert!(
+        !out.success(),
+        "serve with bad input exited successfully\n{out}"
+    );
+    assert!(
+        out.elapsed < Duration::from_secs(15),
+        "took {:?} to reject bad input\n{out}",
+        out.elapsed
+    );
+    assert!(!out.stderr.contains("panicked"), "panicked\n{out}");
+    assert!(
+        !out.stdout.contains("serving blocks"),
+        "claimed to serve\n{out}"
+    );
+    let error = out
+        .stderr
+        .lines()
+        .find(|l| l.starts_with("error:"))
+        .unwrap_or_else(|| panic!("no `error:` line on stderr\n{out}"));
+    for e in expect {
+        assert!(
+            error.contains(e),
+            "the error should mention {e:?}: {error:?}"
+        );
+    }
+}
+
+#[test]
+fn bad_startup_is_a_clear_error() {
+    let gguf = smollm_gguf();
+    let gguf = gguf.to_str().unwrap();
+    serve_fails(&["--model", gguf, "--blocks", "10..40"], &["30 blocks"]);
+    serve_fails(&["--model", gguf, "--blocks", "3..3"], &["empty"]);
+    let missing = models_dir().join("no-such-model.gguf");
+    let missing = missing.to_str().unwrap();
+    serve_fails(&["--model", missing, "--blocks", "0..2"], &[missing]);
+    serve_fails(
+        &["--model", gguf, "--blocks", "0..2", "--device", "cuda:0"],
+        &["cuda:0", "available"],
+    );
+}
