@@ -9,8 +9,8 @@ use petal_model::{Head, ModelSource, Placement};
 use std::sync::Mutex;
 use std::time::Duration;
 
-pub struct RemoteModel<'c> {
-    client: &'c SwarmClient,
+pub struct RemoteModel {
+    client: SwarmClient,
     head: Head,
     model_id: String,
     num_blocks: usize,
@@ -21,16 +21,16 @@ pub struct RemoteModel<'c> {
     last_failovers: Mutex<Vec<Failover>>,
 }
 
-impl<'c> RemoteModel<'c> {
+impl RemoteModel {
     /// Loads the head (and nothing else) from `source` onto `placement`.
     pub async fn open(
-        client: &'c SwarmClient,
+        client: &SwarmClient,
         source: &ModelSource,
         placement: Placement,
         discovery_timeout: Duration,
     ) -> Result<Self> {
         Ok(Self {
-            client,
+            client: client.clone(),
             head: source.load_head(placement)?,
             model_id: source.model_id()?,
             num_blocks: source.spec().num_blocks,
@@ -53,7 +53,7 @@ impl<'c> RemoteModel<'c> {
             ..SessionConfig::default()
         };
         InferenceSession::open(
-            self.client,
+            &self.client,
             &self.model_id,
             self.num_blocks,
             max_length,
