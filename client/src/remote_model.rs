@@ -46,6 +46,16 @@ impl RemoteModel {
         &self.model_id
     }
 
+    /// The local parts of the model: embeddings, final norm, LM head.
+    pub fn head(&self) -> &Head {
+        &self.head
+    }
+
+    /// The model's context length: a session holds at most this many positions.
+    pub fn max_position(&self) -> usize {
+        self.max_position
+    }
+
     /// Opens a session over a freshly planned chain able to hold `max_length` positions.
     pub async fn open_session(&self, max_length: usize) -> Result<InferenceSession> {
         let config = SessionConfig {

@@ -219,37 +219,42 @@ impl InferenceSession {
     }
 
     /// Opens sessions on a freshly planned chain over `range`, routing around servers that refuse.
-    async fn open_chain(&self, range: BlockRange) -> Result<Vec<RemoteSpan>> {
-        let net: &Network = self.client.network();
-        let mut attempts = 0;
-        'plan: loop {
-            let route = self
-                .client
-                .plan(&self.model_id, range, self.config.discovery_timeout)
-                .await?;
-            let mut spans = Vec::with_capacity(route.len());
-            for hop in route {
-                let peer = hop.record.peer_id.clone();
-                match RemoteSpan::open(
-                    net,
-                    &self.model_id,
-                    hop,
-                    self.max_length,
-                    self.config.step_timeout,
-                )
-                .await
-                {
-                    Ok(span) => spans.push(span),
-                    Err(e) if e.is_retryable() && attempts < self.config.max_failovers => {
-                        tracing::warn!(%peer, error = %e, "server refused or failed to open a session; routing around it");
-                        self.client.ban(&peer);
-                        attempts += 1;
-                        continue 'plan;
+    ///
+    /// The future borrows nothing from the session: an `InferenceSession` is `Send` but not `Sync` (libp2p streams
+    /// are not), and a future holding `&self` across an await would make `step` unusable in spawned tasks.
+    fn open_chain(
+        &self,
+        range: BlockRange,
+    ) -> impl std::future::Future<Output = Result<Vec<RemoteSpan>>> + Send + 'static {
+        let client = self.client.clone();
+        let model_id = self.model_id.clone();
+        let max_length = self.max_length;
+        let config = self.config.clone();
+        async move {
+            let net: &Network = client.network();
+            let mut attempts = 0;
+            'plan: loop {
+                let route = client
+                    .plan(&model_id, range, config.discovery_timeout)
+                    .await?;
+                let mut spans = Vec::with_capacity(route.len());
+                for hop in route {
+                    let peer = hop.record.peer_id.clone();
+                    match RemoteSpan::open(net, &model_id, hop, max_length, config.step_timeout)
+                        .await
+                    {
+                        Ok(span) => spans.push(span),
+                        Err(e) if e.is_retryable() && attempts < config.max_failovers => {
+                            tracing::warn!(%peer, error = %e, "server refused or failed to open a session; routing around it");
+                            client.ban(&peer);
+                            attempts += 1;
+                            continue 'plan;
+                        }
+                        Err(e) => return Err(e),
                     }
-                    Err(e) => return Err(e),
                 }
+                return Ok(spans);
             }
-            return Ok(spans);
         }
     }
 

@@ -143,6 +143,23 @@ impl ModelSource {
         BlockSpan::load(self.weights.as_ref(), self.spec.clone(), range, placements)
     }
 
+    /// [`ModelSource::load_span`], calling `on_block(i)` after each block `i` is loaded (progress bars).
+    pub fn load_span_with_progress(
+        &self,
+        range: BlockRange,
+        placements: &[Placement],
+        on_block: impl FnMut(usize),
+    ) -> Result<BlockSpan> {
+        range.validate(self.spec.num_blocks)?;
+        BlockSpan::load_with_progress(
+            self.weights.as_ref(),
+            self.spec.clone(),
+            range,
+            placements,
+            on_block,
+        )
+    }
+
     /// Loads blocks `range` all onto one placement.
     pub fn load_span_on(&self, range: BlockRange, placement: &Placement) -> Result<BlockSpan> {
         self.load_span(range, &vec![placement.clone(); range.len()])
@@ -262,4 +279,27 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
     };
     spec.validate()?;
     Ok(spec)
+}
+
+#[cfg(test)]
+mod progress_tests {
+    use super::*;
+
+    #[test]
+    fn load_span_with_progress_reports_each_block_once_in_order() {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../shared/models/stories260K/stories260K.bin");
+        let source = ModelSource::open(path).unwrap();
+        let range = BlockRange::new(1, 4);
+        let mut seen = vec![];
+        let span = source
+            .load_span_with_progress(range, &vec![Placement::cpu_f32(); 3], |i| seen.push(i))
+            .unwrap();
+        assert_eq!(seen, vec![1, 2, 3]);
+        assert_eq!(span.range(), range);
+        // A bad range fails before any block is loaded or reported.
+        let mut called = false;
+        let bad = source.load_span_with_progress(BlockRange::new(3, 9), &[], |_| called = true);
+        assert!(bad.is_err() && !called);
+    }
 }

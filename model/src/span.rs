@@ -23,6 +23,18 @@ impl BlockSpan {
         range: BlockRange,
         placements: &[Placement],
     ) -> Result<Self> {
+        Self::load_with_progress(source, spec, range, placements, |_| {})
+    }
+
+    /// [`BlockSpan::load`], calling `on_block(i)` after block `i` (a model-wide index) is loaded, e.g. to tick a
+    /// progress bar.
+    pub fn load_with_progress(
+        source: &dyn WeightSource,
+        spec: Arc<ModelSpec>,
+        range: BlockRange,
+        placements: &[Placement],
+        mut on_block: impl FnMut(usize),
+    ) -> Result<Self> {
         range.validate(spec.num_blocks)?;
         if placements.len() != range.len() {
             return Err(ModelError::Config(format!(
@@ -48,6 +60,7 @@ impl BlockSpan {
             };
             tracing::debug!(block = i, placement = %p, "loading block");
             blocks.push(Block::load(source, &spec, i, p.clone(), rope)?);
+            on_block(i);
         }
         Ok(Self {
             spec,

@@ -307,7 +307,7 @@ fn safetensors_header(tensors: &[(String, Vec<usize>)], dtype: WeightDType) -> i
     }
     let mut header =
         serde_json::to_vec(&serde_json::Value::Object(map)).map_err(io::Error::other)?;
-    while header.len() % 8 != 0 {
+    while !header.len().is_multiple_of(8) {
         header.push(b' ');
     }
     Ok(header)

@@ -98,6 +98,9 @@ struct ServeArgs {
     /// Seconds running sessions get to finish after SIGTERM.
     #[arg(long, default_value_t = 10.0)]
     drain_timeout: f64,
+    /// Serve Prometheus metrics on http://ADDR/metrics, e.g. 127.0.0.1:9100 (off by default).
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<std::net::SocketAddr>,
     #[command(flatten)]
     net: NetArgs,
 }
@@ -166,8 +169,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.max_sessions = args.max_sessions;
     config.session_timeout = secs(args.session_timeout, "--session-timeout")?;
     config.record_ttl = secs(args.net.record_ttl, "--record-ttl")?;
+    config.metrics_listen = args.metrics_listen;
     let node = Node::start(config).await?;
     announce_addrs(node.listen_addrs());
+    if let Some(addr) = node.metrics_addr() {
+        println!("metrics on http://{addr}/metrics");
+    }
     println!(
         "serving blocks {} of model {}",
         args.blocks,

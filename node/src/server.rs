@@ -1,12 +1,14 @@
 //! A running node: the span it serves, its network, its announcer and the stream handlers.
 use crate::admission::{Admission, Usage};
 use crate::devices;
+use crate::metrics::{BuildInfo, Metrics};
 use candle_core::DType;
 use petal_model::placement::DeviceSpec;
 use petal_model::wire::wire_dtype;
 use petal_model::{BlockRange, BlockSpan, ModelSource};
 use petal_p2p::{Announcer, AnnouncerHandle, Keypair, Multiaddr, NetConfig, Network, PeerId};
 use petal_proto::pb;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -33,6 +35,11 @@ pub struct NodeConfig {
     pub session_timeout: Duration,
     pub record_ttl: Duration,
     pub max_frame_bytes: usize,
+    /// Serve Prometheus metrics on `GET http://ADDR/metrics` (`--metrics-listen`); `None`: no metrics server.
+    pub metrics_listen: Option<SocketAddr>,
+    /// Draw the block-loading progress bar in this group of bars (the demo's); `None`: a bar of its own. Bars go
+    /// to stderr and are hidden when it is not a terminal.
+    pub progress: Option<indicatif::MultiProgress>,
 }
 
 impl NodeConfig {
@@ -52,6 +59,8 @@ impl NodeConfig {
             session_timeout: Duration::from_secs(300),
             record_ttl: petal_p2p::DEFAULT_RECORD_TTL,
             max_frame_bytes: petal_proto::DEFAULT_MAX_FRAME_BYTES,
+            metrics_listen: None,
+            progress: None,
         }
     }
 }
@@ -67,6 +76,8 @@ pub struct ServerContext {
     record: Mutex<pb::ServerRecord>,
     pub tokens_processed: AtomicU64,
     pub steps: AtomicU64,
+    /// Prometheus metrics (rendered by [`crate::metrics::render`]).
+    pub metrics: Metrics,
 }
 
 impl ServerContext {
@@ -80,6 +91,12 @@ impl ServerContext {
         max_frame_bytes: usize,
         record: pb::ServerRecord,
     ) -> anyhow::Result<Self> {
+        let metrics = Metrics::new(&BuildInfo {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            model: record.model_name.clone(),
+            model_id: model_id.clone(),
+            blocks: span.range(),
+        });
         Ok(Self {
             wire_dtype: wire_dtype(span.input_placement().dtype)?,
             span,
@@ -90,6 +107,7 @@ impl ServerContext {
             record: Mutex::new(record),
             tokens_processed: AtomicU64::new(0),
             steps: AtomicU64::new(0),
+            metrics,
         })
     }
 
@@ -100,10 +118,11 @@ impl ServerContext {
         r
     }
 
-    pub fn record_step(&self, tokens: usize, _compute_micros: u64) {
+    pub fn record_step(&self, tokens: usize, compute_micros: u64) {
         self.tokens_processed
             .fetch_add(tokens as u64, Ordering::Relaxed);
         self.steps.fetch_add(1, Ordering::Relaxed);
+        self.metrics.record_step(tokens as u64, compute_micros);
     }
 }
 
@@ -120,11 +139,18 @@ pub struct Node {
     ctx: Arc<ServerContext>,
     listen_addrs: Vec<Multiaddr>,
     accept_task: tokio::task::JoinHandle<()>,
+    metrics_addr: Option<SocketAddr>,
+    metrics_task: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Node {
     /// Loads the span, joins the swarm, starts serving and announcing. Bad models, ranges and devices fail here.
     pub async fn start(config: NodeConfig) -> anyhow::Result<Node> {
+        // Bound first, so a taken port fails before minutes of loading.
+        let metrics_listener = match config.metrics_listen {
+            Some(addr) => Some(crate::metrics::bind(addr).await?),
+            None => None,
+        };
         let (span, source) = {
             let config = config.clone();
             tokio::task::spawn_blocking(move || load_span(&config)).await??
@@ -184,6 +210,16 @@ impl Node {
         ));
         let announcer = Announcer::spawn(net.clone(), record_rx, config.record_ttl);
 
+        let (metrics_addr, metrics_task) = match metrics_listener {
+            Some(listener) => {
+                let addr = listener.local_addr()?;
+                tracing::info!(%addr, "metrics on http://{addr}/metrics");
+                let task = tokio::spawn(crate::metrics::serve(listener, ctx.clone()));
+                (Some(addr), Some(task))
+            }
+            None => (None, None),
+        };
+
         let mut incoming = net.accept_streams()?;
         let accept_ctx = ctx.clone();
         let accept_task = tokio::spawn(async move {
@@ -206,7 +242,14 @@ impl Node {
             ctx,
             listen_addrs,
             accept_task,
+            metrics_addr,
+            metrics_task,
         })
+    }
+
+    /// Where the metrics server listens (with the real port when `--metrics-listen` asked for port 0).
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
     }
 
     pub fn peer_id(&self) -> PeerId {
@@ -238,6 +281,9 @@ impl Node {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         self.accept_task.abort();
+        if let Some(task) = &self.metrics_task {
+            task.abort();
+        }
         self.net.shutdown().await;
         tracing::info!("node stopped");
     }
@@ -260,8 +306,22 @@ fn load_span(config: &NodeConfig) -> anyhow::Result<(LoadedSpan, ModelSource)> {
     };
     let counts = devices::plan_split(config.blocks.len(), &devices, config.split.as_deref())?;
     let placements = devices::placements(&devices, &counts, dtype);
-    let span = source.load_span(config.blocks, &placements)?;
-    Ok((LoadedSpan(span), source))
+    let bar = indicatif::ProgressBar::new(config.blocks.len() as u64)
+        .with_style(
+            indicatif::ProgressStyle::with_template(
+                "{msg} [{bar:30}] {pos}/{len} blocks ({elapsed})",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        )
+        .with_message(format!("loading blocks {}", config.blocks));
+    let bar = match &config.progress {
+        Some(group) => group.add(bar),
+        None => bar,
+    };
+    let span = source.load_span_with_progress(config.blocks, &placements, |_| bar.inc(1));
+    bar.finish_and_clear();
+    Ok((LoadedSpan(span?), source))
 }
 
 fn span_infos(config: &NodeConfig, span: &BlockSpan) -> anyhow::Result<Vec<pb::DeviceInfo>> {

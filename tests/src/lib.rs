@@ -65,7 +65,7 @@ pub fn models_dir() -> PathBuf {
          ../shared/models beside the checkout, or set PETAL_MODELS",
         dir.display()
     );
-    dir
+    dir.canonicalize().unwrap_or(dir)
 }
 
 /// stories260K in llama2.c format (5 blocks).
@@ -642,6 +642,8 @@ pub struct GenOutput {
     pub route: Option<Vec<String>>,
     pub raw: Value,
     pub elapsed: Duration,
+    /// What `petal generate` logged (warnings such as failovers).
+    pub stderr: String,
 }
 
 impl Generate {
@@ -745,6 +747,7 @@ fn parse_generate_json(out: &CmdOutput) -> GenOutput {
         route,
         raw: v,
         elapsed: out.elapsed,
+        stderr: out.stderr.clone(),
     }
 }
 

@@ -28,6 +28,7 @@ fn attacker(
     seed: u64,
     stop: Arc<AtomicBool>,
     sent: Arc<AtomicUsize>,
+    connections: Arc<AtomicUsize>,
 ) -> JoinHandle<()> {
     thread::spawn(move || {
         let mut rng = XorShift::new(seed);
@@ -47,6 +48,7 @@ fn attacker(
                     v
                 }
             };
+            connections.fetch_add(1, Ordering::Relaxed);
             if s.write_all(&first).is_err() {
                 continue;
             }
@@ -68,9 +70,12 @@ fn attacker(
                             || e.kind() == std::io::ErrorKind::TimedOut => {}
                     Err(_) => break,
                 }
-                if !matches!(attack, Attack::RandomBytes) {
-                    thread::sleep(Duration::from_millis(100));
-                }
+                // Fast enough to make the node handle many bad connections, slow enough not to starve
+                // the generation of CPU on a two-core machine.
+                thread::sleep(Duration::from_millis(match attack {
+                    Attack::RandomBytes => 5,
+                    _ => 100,
+                }));
             }
         }
     })
@@ -92,6 +97,7 @@ fn random_bytes_do_not_disturb_generation() {
 
     let stop = Arc::new(AtomicBool::new(false));
     let sent = Arc::new(AtomicUsize::new(0));
+    let connections = Arc::new(AtomicUsize::new(0));
     let mut attackers = vec![];
     let mut seed = 1;
     for node in &swarm.nodes {
@@ -108,7 +114,14 @@ fn random_bytes_do_not_disturb_generation() {
         ];
         for attack in attacks {
             seed += 1;
-            attackers.push(attacker(addr, attack, seed, stop.clone(), sent.clone()));
+            attackers.push(attacker(
+                addr,
+                attack,
+                seed,
+                stop.clone(),
+                sent.clone(),
+                connections.clone(),
+            ));
         }
     }
     // Let the attack get going, then generate through both attacked nodes while it goes on.
@@ -124,7 +137,8 @@ fn random_bytes_do_not_disturb_generation() {
         a.join().expect("attacker thread panicked");
     }
     eprintln!(
-        "sent {} hostile bytes; generation during the attack: {:.1} tokens/s over {:?}",
+        "{} hostile connections sent {} bytes; generation during the attack: {:.1} tokens/s over {:?}",
+        connections.load(Ordering::Relaxed),
         sent.load(Ordering::Relaxed),
         during.tokens_per_second,
         during.route

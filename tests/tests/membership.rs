@@ -25,10 +25,18 @@ fn two_node_swarm() -> Swarm {
     swarm
 }
 
-/// Polls `petal swarm --json` until `peer` is gone; returns how long that took after `since`.
-fn wait_gone(swarm: &Swarm, peer: &str, since: Instant, limit: Duration) -> Option<Duration> {
+/// Polls `petal swarm --json` until `peer` is gone while `survivor` is still listed (so an empty answer from a
+/// failed lookup does not count as gone); returns how long that took after `since`.
+fn wait_gone(
+    swarm: &Swarm,
+    peer: &str,
+    survivor: &str,
+    since: Instant,
+    limit: Duration,
+) -> Option<Duration> {
     poll_until(limit, Duration::from_millis(250), || {
-        !swarm.listed_peers().iter().any(|p| p == peer)
+        let peers = swarm.listed_peers();
+        !peers.iter().any(|p| p == peer) && peers.iter().any(|p| p == survivor)
     })
     .map(|_| since.elapsed())
 }
@@ -61,7 +69,8 @@ fn sigterm_node_leaves_swarm() {
         "a SIGTERMed node with no sessions should exit 0 promptly\n{}",
         swarm.nodes[0].proc.report()
     );
-    let gone = wait_gone(&swarm, &peer, start, Duration::from_secs(8));
+    let survivor = swarm.nodes[1].peer_id.clone();
+    let gone = wait_gone(&swarm, &peer, &survivor, start, Duration::from_secs(8));
     eprintln!("SIGTERM: gone from `petal swarm` after {gone:?}");
     assert!(
         gone.is_some(),
@@ -83,7 +92,8 @@ fn sigkill_node_expires() {
         .proc
         .wait_exit(Duration::from_secs(5))
         .is_some());
-    let gone = wait_gone(&swarm, &peer, start, Duration::from_secs(10));
+    let survivor = swarm.nodes[0].peer_id.clone();
+    let gone = wait_gone(&swarm, &peer, &survivor, start, Duration::from_secs(10));
     eprintln!("SIGKILL: gone from `petal swarm` after {gone:?} (TTL {TTL_SECS} s)");
     assert!(
         gone.is_some(),

@@ -51,3 +51,11 @@ fn bad_startup_is_a_clear_error() {
         &["cuda:0", "available"],
     );
 }
+
+/// The fixture itself: a node that cannot start fails the test at once, with the node's error in the message,
+/// instead of waiting out the startup timeout.
+#[test]
+#[should_panic(expected = "the model has 30 blocks")]
+fn swarm_fixture_reports_a_node_that_fails_to_start() {
+    let _swarm = Swarm::builder().node(smollm_gguf(), "25..31").start();
+}

@@ -4,6 +4,7 @@ use crate::args::SamplingArgs;
 use crate::generate::block_placement;
 use anyhow::Context;
 use clap::Args;
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use petal_client::{RemoteModel, SwarmClient};
 use petal_model::prompt::encode_prompt;
 use petal_model::{BlockRange, ModelSource, Placement};
@@ -82,22 +83,46 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             .unwrap_or_default()
     );
 
+    // Progress on stderr: nodes started, and below it the blocks of the node loading now. Hidden when stderr is
+    // not a terminal; lines printed meanwhile go through `bars.suspend` so they never tear a bar.
+    let bars = MultiProgress::new();
+    let started = bars.add(
+        ProgressBar::new(spans.len() as u64).with_style(
+            ProgressStyle::with_template("{msg:<24} [{bar:30}] {pos}/{len} nodes ({elapsed})")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        ),
+    );
     let mut nodes = vec![];
     for (i, range) in spans.iter().enumerate() {
+        started.set_message(format!("starting node{}", i + 1));
         let mut cfg = NodeConfig::new(model.clone(), *range);
         cfg.listen = vec![localhost.clone()];
         cfg.bootstrap = bootstrap_addrs.clone();
         cfg.public_name = format!("node{}", i + 1);
-        let node = Node::start(cfg)
-            .await
-            .with_context(|| format!("starting node {} for blocks {range}", i + 1))?;
-        eprintln!("node{}      blocks {range:<7} {}", i + 1, node.peer_id());
+        cfg.progress = Some(bars.clone());
+        let node = match Node::start(cfg).await {
+            Ok(node) => node,
+            Err(e) => {
+                started.abandon();
+                return Err(e)
+                    .with_context(|| format!("starting node {} for blocks {range}", i + 1));
+            }
+        };
+        bars.suspend(|| eprintln!("node{}      blocks {range:<7} {}", i + 1, node.peer_id()));
+        started.inc(1);
         nodes.push(node);
     }
+    started.finish_and_clear();
 
     let client = SwarmClient::connect(bootstrap_addrs.clone()).await?;
     let placement = block_placement(&source, &Placement::cpu_f32());
-    let remote = RemoteModel::open(&client, &source, placement, Duration::from_secs(30)).await?;
+    let waiting =
+        ProgressBar::new_spinner().with_message("waiting for the swarm to cover the model");
+    waiting.enable_steady_tick(Duration::from_millis(100));
+    let remote = RemoteModel::open(&client, &source, placement, Duration::from_secs(30)).await;
+    waiting.finish_and_clear();
+    let remote = remote?;
     let tokenizer = source.tokenizer(None)?;
     let chat = !args.no_chat && tokenizer.chat_template().is_some();
     let prompt = encode_prompt(&tokenizer, &args.prompt, chat, None)?;

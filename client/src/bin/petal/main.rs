@@ -1,5 +1,9 @@
-//! `petal`: generate text locally or through a swarm, list the swarm, or run a whole local swarm as a demo.
+//! `petal`: generate text locally or through a swarm, chat, serve an OpenAI-compatible API, list the swarm, or run
+//! a whole local swarm as a demo.
+mod api;
 mod args;
+mod backend;
+mod chat;
 mod demo;
 mod generate;
 mod swarm;
@@ -29,6 +33,10 @@ enum Command {
     Swarm(swarm::SwarmArgs),
     /// Start a bootstrap and three nodes in-process, split the default model across them and answer a prompt.
     Demo(demo::DemoArgs),
+    /// Serve an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions).
+    Api(api::ApiArgs),
+    /// Chat in the terminal: one line per message, the conversation kept in one session.
+    Chat(chat::ChatArgs),
 }
 
 fn main() -> ExitCode {
@@ -50,6 +58,8 @@ fn main() -> ExitCode {
             Command::Generate(a) => generate::run(a).await,
             Command::Swarm(a) => swarm::run(a).await,
             Command::Demo(a) => demo::run(a).await,
+            Command::Api(a) => api::run(a).await,
+            Command::Chat(a) => chat::run(a).await,
         }
     });
     match result {

@@ -1,0 +1,201 @@
+//! Prometheus metrics for one node, served as OpenMetrics text on `GET /metrics` (`petal-node serve
+//! --metrics-listen ADDR`).
+//!
+//! | metric | type | meaning |
+//! | --- | --- | --- |
+//! | `petal_steps_total` | counter | inference steps computed |
+//! | `petal_tokens_processed_total` | counter | token positions computed (batch x tokens, summed over steps) |
+//! | `petal_step_duration_seconds` | histogram | compute time of one step through the session's blocks |
+//! | `petal_sessions_open` | gauge | sessions holding a cache reservation |
+//! | `petal_kv_cache_tokens_used` / `_free` / `_total` | gauge | KV cache budget (`--cache-tokens`) in positions |
+//! | `petal_build_info` | gauge (always 1) | labels `version`, `model`, `model_id`, `blocks` |
+//!
+//! Counters and the histogram are updated by [`ServerContext::record_step`]; the gauges are read from
+//! [`Admission::usage`](crate::admission::Admission::usage) when the page is rendered, so they are never stale.
+use crate::admission::Usage;
+use crate::server::ServerContext;
+use anyhow::Context;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use petal_model::BlockRange;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Registry, Unit};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use tokio::net::TcpListener;
+
+/// The OpenMetrics text exposition's content type (Prometheus asks for it and parses it).
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Upper bounds of the step latency buckets, in seconds: 100 µs to 10 s in 1-2.5-5 steps (a 135M-parameter span
+/// on a GPU is well under a millisecond; a long prompt through a big span on a CPU takes seconds).
+pub const STEP_SECONDS_BUCKETS: [f64; 16] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0,
+];
+
+/// What `petal_build_info` says about the node.
+#[derive(Debug, Clone)]
+pub struct BuildInfo {
+    pub version: String,
+    pub model: String,
+    pub model_id: String,
+    pub blocks: BlockRange,
+}
+
+/// A node's metrics and the registry that renders them.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    steps: Counter,
+    tokens: Counter,
+    step_seconds: Histogram,
+    sessions_open: Gauge,
+    cache_used: Gauge,
+    cache_free: Gauge,
+    cache_total: Gauge,
+}
+
+impl Metrics {
+    pub fn new(build: &BuildInfo) -> Self {
+        let mut registry = Registry::default();
+        let steps = Counter::default();
+        let tokens = Counter::default();
+        let step_seconds = Histogram::new(STEP_SECONDS_BUCKETS);
+        let (sessions_open, cache_used, cache_free, cache_total): (Gauge, Gauge, Gauge, Gauge) =
+            Default::default();
+        registry.register(
+            "petal_steps",
+            "Inference steps computed by this node",
+            steps.clone(),
+        );
+        registry.register(
+            "petal_tokens_processed",
+            "Token positions computed (batch x tokens, summed over steps)",
+            tokens.clone(),
+        );
+        registry.register_with_unit(
+            "petal_step_duration",
+            "Compute time of one inference step through the session's blocks",
+            Unit::Seconds,
+            step_seconds.clone(),
+        );
+        registry.register(
+            "petal_sessions_open",
+            "Inference sessions open (each holds a KV cache reservation)",
+            sessions_open.clone(),
+        );
+        registry.register(
+            "petal_kv_cache_tokens_used",
+            "KV cache positions reserved by open sessions",
+            cache_used.clone(),
+        );
+        registry.register(
+            "petal_kv_cache_tokens_free",
+            "KV cache positions still free for new sessions",
+            cache_free.clone(),
+        );
+        registry.register(
+            "petal_kv_cache_tokens_total",
+            "KV cache budget in positions (--cache-tokens)",
+            cache_total.clone(),
+        );
+        let build_info = Family::<Vec<(String, String)>, Gauge>::default();
+        build_info
+            .get_or_create(&vec![
+                ("version".into(), build.version.clone()),
+                ("model".into(), build.model.clone()),
+                ("model_id".into(), build.model_id.clone()),
+                ("blocks".into(), build.blocks.to_string()),
+            ])
+            .set(1);
+        registry.register(
+            "petal_build_info",
+            "Always 1; the labels describe the build and the span served",
+            build_info,
+        );
+        Self {
+            registry,
+            steps,
+            tokens,
+            step_seconds,
+            sessions_open,
+            cache_used,
+            cache_free,
+            cache_total,
+        }
+    }
+
+    /// One step of `tokens` positions that took `compute_micros` of compute.
+    pub fn record_step(&self, tokens: u64, compute_micros: u64) {
+        self.steps.inc();
+        self.tokens.inc_by(tokens);
+        self.step_seconds.observe(compute_micros as f64 / 1e6);
+    }
+
+    /// Sets the session and cache gauges.
+    pub fn set_usage(&self, u: Usage) {
+        self.sessions_open.set(gauge_value(u.sessions));
+        self.cache_used.set(gauge_value(u.tokens_used));
+        self.cache_free.set(gauge_value(u.tokens_free()));
+        self.cache_total.set(gauge_value(u.tokens_total));
+    }
+
+    /// The whole exposition, ending in `# EOF`.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail; an error would only come from a metric's own encoder.
+        if let Err(e) = encode(&mut out, &self.registry) {
+            tracing::warn!(error = %e, "cannot encode metrics");
+        }
+        out
+    }
+}
+
+fn gauge_value(v: usize) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// The node's metrics page, with the gauges read from its admission control now.
+pub fn render(ctx: &ServerContext) -> String {
+    ctx.metrics.set_usage(ctx.admission.usage());
+    ctx.metrics.render()
+}
+
+/// `GET /metrics` (anything else is 404).
+pub fn router(ctx: Arc<ServerContext>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics_page))
+        .with_state(ctx)
+}
+
+async fn metrics_page(State(ctx): State<Arc<ServerContext>>) -> impl IntoResponse {
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, CONTENT_TYPE)],
+        render(&ctx),
+    )
+}
+
+/// Binds the metrics listener, with an error that names the flag (called before the span loads, so a taken port
+/// fails at once).
+pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen for metrics on {addr} (--metrics-listen)"))
+}
+
+/// Serves `GET /metrics` on `listener` until the task is dropped or aborted.
+pub async fn serve(listener: TcpListener, ctx: Arc<ServerContext>) {
+    let addr = listener.local_addr().ok();
+    if let Err(e) = axum::serve(listener, router(ctx)).await {
+        tracing::warn!(?addr, error = %e, "metrics server stopped");
+    }
+}

@@ -1,0 +1,373 @@
+"""`petal api` through the official `openai` Python client.
+
+Starts `target/release/petal api` (and, for one test, a real loopback swarm of `petal-node` processes) as
+subprocesses and talks to it as any OpenAI client would. Build first: `cargo build --release --workspace --bins`;
+run with `scripts/test-api`. Binaries come from $PETAL_BIN_DIR (default target/release), models from $PETAL_MODELS
+(default ../shared/models beside the checkout).
+"""
+
+import concurrent.futures
+import json
+import os
+import queue
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN_DIR = Path(os.environ.get("PETAL_BIN_DIR", ROOT / "target" / "release"))
+MODELS = Path(os.environ.get("PETAL_MODELS", ROOT.parent / "shared" / "models"))
+STORIES = MODELS / "stories260K" / "stories260K.bin"
+SMOL = MODELS / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+STORIES_NAME = "stories260K"
+SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1"
+
+STARTUP_TIMEOUT = 120.0
+REQUEST_TIMEOUT = 180.0
+
+
+def binary(name):
+    path = BIN_DIR / name
+    if not path.is_file():
+        pytest.fail(f"{path} not found: run `cargo build --release --workspace --bins` first")
+    return path
+
+
+class Proc:
+    """A long-running child: stdout lines through a queue, stderr to a log file; killed on stop()."""
+
+    def __init__(self, name, args):
+        self.name = name
+        self.log = tempfile.NamedTemporaryFile(prefix=f"petal-pytest-{name}-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [str(a) for a in args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env={**os.environ, "NO_COLOR": "1"},
+        )
+        self.lines = queue.Queue()
+        self.stdout = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def wait_for(self, prefix, timeout=STARTUP_TIMEOUT):
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{self.name}: no `{prefix}` line within {timeout} s\n{self.report()}")
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                self.proc.wait(timeout=10)
+                raise AssertionError(f"{self.name}: exited ({self.proc.returncode}) before `{prefix}`\n{self.report()}")
+            self.stdout.append(line)
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+
+    def report(self):
+        with open(self.log.name, encoding="utf-8", errors="replace") as f:
+            tail = f.read().splitlines()[-40:]
+        return f"---- {self.name} stdout ----\n" + "\n".join(self.stdout) + \
+            f"\n---- {self.name} stderr (tail) ----\n" + "\n".join(tail)
+
+    def stop(self):
+        if self.proc.poll() is None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if os.path.exists(self.log.name):
+            os.unlink(self.log.name)
+
+
+class Api:
+    """A running `petal api` and an OpenAI client for it."""
+
+    def __init__(self, name, extra_args):
+        self.proc = Proc(name, [binary("petal"), "api", "--listen", "127.0.0.1:0", *extra_args])
+        self.url = self.proc.wait_for("listening on ")
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0,
+                                    timeout=REQUEST_TIMEOUT)
+
+    def post_raw(self, path, body, content_type="application/json"):
+        """POSTs raw bytes; returns (status, parsed JSON body)."""
+        request = urllib.request.Request(f"{self.url}{path}", data=body, method="POST",
+                                         headers={"Content-Type": content_type})
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope="module")
+def stories():
+    api = Api("api-stories", ["--local", "--model", STORIES])
+    yield api
+    api.proc.stop()
+
+
+@pytest.fixture(scope="module")
+def smol():
+    api = Api("api-smol", ["--local", "--model", SMOL])
+    yield api
+    api.proc.stop()
+
+
+def cli_generate(model, prompt, max_new_tokens, chat=False):
+    """`petal generate --local --json`: the reference the API must reproduce (greedy)."""
+    args = [binary("petal"), "generate", "--local", "--model", model, "--prompt", prompt,
+            "--max-new-tokens", str(max_new_tokens), "--json"]
+    if chat:
+        args.append("--chat")
+    out = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=REQUEST_TIMEOUT)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def completion_tokens_of(reference):
+    """OpenAI counts every sampled token: the generated ones plus the end-of-sequence token that ended them."""
+    return len(reference["tokens"]) + (1 if reference["finish_reason"] == "eos" else 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_models_list(smol):
+    models = smol.client.models.list()
+    assert [m.id for m in models.data] == [SMOL_NAME]
+    assert models.data[0].object == "model"
+    assert smol.client.models.retrieve(SMOL_NAME).id == SMOL_NAME
+    with pytest.raises(openai.NotFoundError):
+        smol.client.models.retrieve("gpt-4")
+
+
+def test_completion_matches_cli(stories):
+    reference = cli_generate(STORIES, "Once upon a time", 32)
+    r = stories.client.completions.create(model=STORIES_NAME, prompt="Once upon a time", max_tokens=32,
+                                          temperature=0)
+    assert r.object == "text_completion"
+    assert r.choices[0].text == reference["text"]
+    assert r.usage.prompt_tokens == reference["prompt_tokens"]
+    assert r.usage.completion_tokens == completion_tokens_of(reference)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    expected = "length" if reference["finish_reason"] == "length" else "stop"
+    assert r.choices[0].finish_reason == expected
+
+
+def test_chat_capital_of_france(smol):
+    question = "What is the capital of France?"
+    reference = cli_generate(SMOL, question, 64, chat=True)
+    r = smol.client.chat.completions.create(model=SMOL_NAME, messages=[{"role": "user", "content": question}],
+                                            max_tokens=64, temperature=0)
+    answer = r.choices[0].message.content
+    assert "Paris" in answer, answer
+    assert r.choices[0].message.role == "assistant"
+    assert answer == reference["text"]
+    assert r.choices[0].finish_reason == "stop"  # the model ended its turn
+    assert r.usage.prompt_tokens == reference["prompt_tokens"]
+    assert r.usage.completion_tokens == completion_tokens_of(reference)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_finish_reason_length_counts_max_tokens(smol):
+    r = smol.client.chat.completions.create(model=SMOL_NAME, max_tokens=5, temperature=0,
+                                            messages=[{"role": "user", "content": "Tell me a long story."}])
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 5
+
+
+def test_stop_string(stories):
+    full = stories.client.completions.create(model=STORIES_NAME, prompt="Once upon a time", max_tokens=40,
+                                             temperature=0).choices[0].text
+    words = full.split()
+    assert len(words) > 8, full
+    stop = " " + words[5]
+    cut = full[:full.index(stop)]
+    r = stories.client.completions.create(model=STORIES_NAME, prompt="Once upon a time", max_tokens=40,
+                                          temperature=0, stop=[stop, "never appears"])
+    assert r.choices[0].text == cut
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 40
+    # A single string works too.
+    r = stories.client.completions.create(model=STORIES_NAME, prompt="Once upon a time", max_tokens=40,
+                                          temperature=0, stop=stop)
+    assert r.choices[0].text == cut
+
+
+def test_chat_stream_equals_non_stream(smol):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    plain = smol.client.chat.completions.create(model=SMOL_NAME, messages=messages, max_tokens=40, temperature=0)
+    chunks = list(smol.client.chat.completions.create(model=SMOL_NAME, messages=messages, max_tokens=40,
+                                                      temperature=0, stream=True,
+                                                      stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in with_choices)
+    assert text == plain.choices[0].message.content
+    assert len(with_choices) > 3, "the reply should arrive in pieces"
+    finishes = [c.choices[0].finish_reason for c in with_choices]
+    assert finishes[-1] == plain.choices[0].finish_reason
+    assert all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.model_dump() == plain.usage.model_dump()
+
+
+def test_completion_stream_equals_non_stream(stories):
+    kwargs = dict(model=STORIES_NAME, prompt="Once upon a time", max_tokens=24, temperature=0)
+    plain = stories.client.completions.create(**kwargs)
+    chunks = list(stories.client.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason == "length"
+
+
+def test_stream_reaches_done_marker(stories):
+    """The raw event stream ends with `data: [DONE]`."""
+    body = json.dumps({"model": STORIES_NAME, "prompt": "Once", "max_tokens": 4, "stream": True}).encode()
+    request = urllib.request.Request(f"{stories.url}/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = [line for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+
+
+def test_sampling_with_seed_is_reproducible(stories):
+    kwargs = dict(model=STORIES_NAME, prompt="Once upon a time", max_tokens=24, temperature=0.9, top_p=0.9)
+    a = stories.client.completions.create(**kwargs, seed=7).choices[0].text
+    b = stories.client.completions.create(**kwargs, seed=7).choices[0].text
+    assert a == b
+
+
+def test_concurrent_requests(smol):
+    questions = ["What is the capital of France?", "What is 2 + 2?"]
+
+    def ask(q):
+        r = smol.client.chat.completions.create(model=SMOL_NAME, messages=[{"role": "user", "content": q}],
+                                                max_tokens=32, temperature=0)
+        return r.choices[0].message.content
+
+    sequential = [ask(q) for q in questions]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        concurrent_answers = list(pool.map(ask, questions))
+    assert concurrent_answers == sequential
+
+
+def test_unknown_fields_are_tolerated(stories):
+    r = stories.client.completions.create(model=STORIES_NAME, prompt="Once", max_tokens=3, temperature=0,
+                                          user="someone", extra_body={"not_an_openai_field": {"x": 1}})
+    assert r.usage.completion_tokens == 3
+
+
+def error_of(exc):
+    body = exc.value.body
+    assert isinstance(body, dict), body
+    return body  # the client unwraps {"error": {...}} into .body
+
+
+def test_invalid_requests_get_openai_errors(smol):
+    c = smol.client
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=SMOL_NAME, messages=msgs, max_tokens=0)
+    assert error_of(e)["type"] == "invalid_request_error" and error_of(e)["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=SMOL_NAME, messages=msgs, max_tokens=10_000_000)
+    assert error_of(e)["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=SMOL_NAME, messages=msgs, temperature=-0.5)
+    assert error_of(e)["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=SMOL_NAME, messages=msgs, top_p=0)
+    assert error_of(e)["param"] == "top_p"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=SMOL_NAME, messages=msgs, n=2)
+    assert error_of(e)["param"] == "n"
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(model="gpt-4o", messages=msgs)
+    assert error_of(e)["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=SMOL_NAME, messages=[])
+    assert error_of(e)["param"] == "messages"
+
+
+def test_malformed_bodies(smol):
+    status, body = smol.post_raw("/v1/chat/completions", b"{not json")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error", body
+    status, body = smol.post_raw("/v1/chat/completions", json.dumps({"model": SMOL_NAME}).encode())
+    assert status == 400 and body["error"]["param"] == "messages", body
+    status, body = smol.post_raw("/v1/completions", json.dumps({"prompt": "x"}).encode())
+    assert status == 400 and body["error"]["param"] == "model", body
+    status, body = smol.post_raw("/v1/completions", json.dumps({"model": SMOL_NAME, "prompt": "x",
+                                                                "max_tokens": "many"}).encode())
+    assert status == 400 and body["error"]["param"] == "max_tokens", body
+    status, body = smol.post_raw("/v1/chat/completions", json.dumps(
+        {"model": SMOL_NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode())
+    assert status == 400 and body["error"]["param"] == "messages[0].content", body
+    status, body = smol.post_raw("/v1/nope", b"{}")
+    assert status == 404 and "error" in body, body
+
+
+def test_swarm_api_matches_local(stories):
+    """A real swarm: a bootstrap and two nodes serving stories260K, the API in front of them."""
+    procs = []
+    try:
+        boot = Proc("bootstrap", [binary("petal-node"), "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0"])
+        procs.append(boot)
+        addr = boot.wait_for("listening on ")
+        for i, blocks in enumerate(["0..3", "3..5"]):
+            node = Proc(f"node{i + 1}", [binary("petal-node"), "serve", "--model", STORIES, "--blocks", blocks,
+                                         "--listen", "/ip4/127.0.0.1/tcp/0", "--bootstrap", addr,
+                                         "--public-name", f"node{i + 1}"])
+            procs.append(node)
+        for node in procs[1:]:
+            node.wait_for("serving blocks ")
+        api = Api("api-swarm", ["--bootstrap", addr, "--model", STORIES, "--discovery-timeout", "10"])
+        procs.append(api.proc)
+        kwargs = dict(model=STORIES_NAME, prompt="Once upon a time", max_tokens=32, temperature=0)
+        remote = api.client.completions.create(**kwargs)
+        local = stories.client.completions.create(**kwargs)
+        assert remote.choices[0].text == local.choices[0].text
+        assert remote.usage.model_dump() == local.usage.model_dump()
+        streamed = "".join(c.choices[0].text for c in api.client.completions.create(**kwargs, stream=True))
+        assert streamed == local.choices[0].text
+        # Two requests at once: each gets its own chain of server sessions.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            texts = list(pool.map(lambda _: api.client.completions.create(**kwargs).choices[0].text, range(2)))
+        assert texts == [local.choices[0].text] * 2
+        # Without the nodes the swarm cannot serve: 503 with the reason.
+        for node in procs[1:3]:
+            node.stop()
+        with pytest.raises(openai.InternalServerError) as e:
+            api.client.completions.create(**kwargs)
+        assert e.value.status_code == 503
+        assert "server_error" == e.value.body["type"], e.value.body
+    except BaseException:
+        for p in procs:
+            print(p.report())
+        raise
+    finally:
+        for p in procs:
+            p.stop()
