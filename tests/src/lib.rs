@@ -697,6 +697,17 @@ impl Generate {
         self
     }
 
+    /// Starts it in the background with extra environment variables (e.g. RUST_LOG), for tests that act while it
+    /// runs; its JSON line arrives on the process's stdout.
+    pub fn spawn(&self, name: &str, envs: &[(&str, &str)]) -> Proc {
+        let mut cmd = Command::new(bin("petal"));
+        cmd.args(&self.args);
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        Proc::spawn(name, cmd)
+    }
+
     /// Runs it, whatever the outcome.
     pub fn run(&self) -> CmdOutput {
         let mut cmd = Command::new(bin("petal"));

@@ -65,3 +65,109 @@ fn stale_record_of_killed_node_is_routed_around() {
         "route still names the dead node1: {route:?}"
     );
 }
+
+/// Issue acceptance: two replicas of every span; one server on the route is `kill -9`ed in the middle of a 64-token
+/// greedy generation, ten times with different kill points. Every run must complete with exactly the undisturbed
+/// (local) tokens. The client bans the dead server, re-plans its blocks onto the replica and replays the history.
+#[test]
+fn kill_9_mid_generation_ten_times() {
+    const RUNS: usize = 10;
+    let model = smollm_gguf();
+    let prompt = "The capital of France is";
+    let mut swarm = Swarm::builder()
+        .record_ttl(5.0)
+        .node(&model, "0..15")
+        .node(&model, "0..15")
+        .node(&model, "15..30")
+        .node(&model, "15..30")
+        .start();
+    let local = Generate::new(&model, prompt)
+        .local()
+        .max_new_tokens(64)
+        .ignore_eos()
+        .run_json();
+
+    let mut failover_ms = vec![];
+    for run in 0..RUNS {
+        let mut client = swarm
+            .generate(&model, prompt)
+            .max_new_tokens(64)
+            .ignore_eos()
+            .spawn(
+                &format!("generate{run}"),
+                &[("RUST_LOG", "petal_client=info")],
+            );
+        assert!(
+            poll_until(Duration::from_secs(60), Duration::from_millis(10), || {
+                client.stderr_log().contains("session opened")
+            })
+            .is_some(),
+            "no session opened\n{}",
+            client.report()
+        );
+        // The route as logged: `route=node1(…)[0..15] -> node4(…)[15..30]`.
+        let log = client.stderr_log();
+        let route_line = log
+            .lines()
+            .find(|l| l.contains("session opened"))
+            .unwrap_or_default();
+        let route = route_line.split("route=").nth(1).unwrap_or_default();
+        let hops: Vec<&str> = route
+            .split(" -> ")
+            .map(|h| h.split('(').next().unwrap_or("").trim())
+            .collect();
+        assert_eq!(hops.len(), 2, "unexpected route {route_line:?}");
+        // Kill points spread over the generation, alternating between the first and the last hop.
+        let victim_name = hops[run % 2].to_string();
+        std::thread::sleep(Duration::from_millis(100 + 150 * run as u64));
+        let victim = swarm
+            .nodes
+            .iter_mut()
+            .find(|n| n.spec.name == victim_name)
+            .unwrap_or_else(|| panic!("route names unknown node {victim_name}"));
+        let blocks = victim.spec.blocks.clone();
+        victim.proc.sigkill();
+        assert!(victim.proc.wait_exit(Duration::from_secs(5)).is_some());
+
+        let line = client.wait_for_line("JSON", Duration::from_secs(120), |l| l.starts_with('{'));
+        let v: serde_json::Value = serde_json::from_str(&line).expect("JSON from petal generate");
+        let tokens: Vec<u32> = v["tokens"]
+            .as_array()
+            .expect("tokens")
+            .iter()
+            .filter_map(|t| t.as_u64().map(|t| t as u32))
+            .collect();
+        assert_eq!(
+            tokens,
+            local.tokens,
+            "run {run}: output differs after killing {victim_name}\n{}",
+            client.report()
+        );
+        let log = client.stderr_log();
+        let elapsed = log
+            .lines()
+            .filter(|l| l.contains("replacement ready"))
+            .filter_map(|l| {
+                l.split("elapsed_ms=")
+                    .nth(1)?
+                    .split_whitespace()
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .collect::<Vec<_>>();
+        eprintln!(
+            "run {run}: killed {victim_name} [{blocks}] {} ms after the session opened; failovers took {elapsed:?} ms",
+            100 + 150 * run
+        );
+        failover_ms.extend(elapsed);
+        // Bring the span back to two replicas for the next run.
+        swarm.add_node(&model, &blocks, &[]);
+    }
+    eprintln!("failover times (ms): {failover_ms:?}");
+    assert!(
+        failover_ms.len() >= RUNS / 2,
+        "most kills should land mid-generation and trigger a failover; saw {}",
+        failover_ms.len()
+    );
+}
