@@ -92,6 +92,10 @@ struct Args {
     /// Runs per measurement; medians are reported.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
+    /// Past this many seconds, measurements still to come run once (and the probe shortens), so a run on a busy
+    /// machine still ends in reasonable time; the JSON says how many runs each figure rests on.
+    #[arg(long, default_value_t = 120.0)]
+    budget_seconds: f64,
     /// Skip the per-hop overhead microbenchmarks.
     #[arg(long)]
     no_overhead: bool,
@@ -126,6 +130,25 @@ struct Bench {
     span_placement: Placement,
     workload: Workload,
     repeats: usize,
+    /// When extra repeats stop (see `--budget-seconds`).
+    deadline: Instant,
+}
+
+impl Bench {
+    /// Whether repeat number `i` (0-based) of a measurement should run: the first always does.
+    fn should_repeat(&self, i: usize) -> bool {
+        i == 0 || (i < self.repeats && Instant::now() < self.deadline)
+    }
+
+    /// Probe steps: fewer once past the budget.
+    fn probe_steps(&self) -> usize {
+        let steps = self.workload.new_tokens().min(PROBE_STEPS);
+        if Instant::now() < self.deadline {
+            steps
+        } else {
+            steps.min(8)
+        }
+    }
 }
 
 /// What is generated: text through the real sampler and detokeniser, or greedy token ids straight through the
@@ -188,7 +211,13 @@ fn run(args: Args) -> Result<Value> {
     );
     let dtype = parse_dtype(&args.dtype)?;
     let (path, synthetic, _temp) = resolve_model(&args)?;
-    let bench = prepare(&args, path, dtype)?;
+    let mut bench = prepare(&args, path, dtype)?;
+    ensure!(
+        args.budget_seconds.is_finite() && args.budget_seconds >= 0.0,
+        "--budget-seconds must be a non-negative number"
+    );
+    bench.deadline = started + Duration::from_secs_f64(args.budget_seconds);
+    let bench = bench;
     let spec = bench.source.spec().clone();
     for &k in &args.chains {
         ensure!(
@@ -252,6 +281,7 @@ fn run(args: Args) -> Result<Value> {
         "prompt_tokens": bench.workload.prompt_len(),
         "new_tokens": bench.workload.new_tokens(),
         "repeats": bench.repeats,
+        "budget_seconds": args.budget_seconds,
         "warmup_tokens": WARMUP_TOKENS,
         "machine": {
             "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
@@ -381,6 +411,7 @@ fn prepare(args: &Args, path: PathBuf, dtype: DType) -> Result<Bench> {
         source,
         workload,
         repeats: args.repeats,
+        deadline: Instant::now(),
     })
 }
 
@@ -429,9 +460,18 @@ fn load_local(bench: &Bench) -> Result<LocalModel> {
 /// A warm-up, then `repeats` timed local generations.
 fn measure_local(bench: &Bench, model: &LocalModel) -> Result<Vec<Run>> {
     local_run(model, &bench.workload, WARMUP_TOKENS)?;
-    (0..bench.repeats)
-        .map(|_| local_run(model, &bench.workload, bench.workload.new_tokens()))
-        .collect()
+    let mut runs = vec![];
+    for i in 0..bench.repeats {
+        if !bench.should_repeat(i) {
+            break;
+        }
+        runs.push(local_run(
+            model,
+            &bench.workload,
+            bench.workload.new_tokens(),
+        )?);
+    }
+    Ok(runs)
 }
 
 /// One local generation of `new_tokens` tokens.
@@ -752,13 +792,16 @@ async fn chain_runs(
     swarm_run(&remote, &bench.workload, WARMUP_TOKENS).await?;
     let n = bench.workload.new_tokens();
     let (mut runs, mut paired) = (vec![], vec![]);
-    for _ in 0..bench.repeats {
+    for i in 0..bench.repeats {
+        if !bench.should_repeat(i) {
+            break;
+        }
         if let Some(model) = local {
             paired.push(local_run(model, &bench.workload, n)?);
         }
         runs.push(swarm_run(&remote, &bench.workload, n).await?);
     }
-    let probe = probe_chain(bench, client, &remote, n.min(PROBE_STEPS)).await?;
+    let probe = probe_chain(bench, &remote, client, local, bench.probe_steps()).await?;
     Ok((runs, paired, probe))
 }
 
@@ -822,17 +865,20 @@ async fn swarm_ids(remote: &RemoteModel, prompt: &[u32], new_tokens: usize) -> R
 /// Decode steps through the chain hop by hop over the raw protocol, to split each hop's round trip into what the
 /// server reports as compute (`StepResult.compute_micros`: its blocks, including the hand-off to the blocking
 /// pool) and the rest (serialisation at both ends, libp2p, task wake-ups), which the session API does not expose.
+/// With `local`, every step also runs through the local blocks on the same input just before, so the swarm's
+/// added time is measured step by step, milliseconds apart, and load bursts on a shared machine hit both alike.
 async fn probe_chain(
     bench: &Bench,
-    client: &SwarmClient,
     remote: &RemoteModel,
+    client: &SwarmClient,
+    local: Option<&LocalModel>,
     steps: usize,
 ) -> Result<Value> {
-    let num_blocks = bench.source.spec().num_blocks;
+    let spec = bench.source.spec();
     let route = client
         .plan(
             remote.model_id(),
-            BlockRange::new(0, num_blocks),
+            BlockRange::new(0, spec.num_blocks),
             DISCOVERY_TIMEOUT,
         )
         .await?;
@@ -840,32 +886,134 @@ async fn probe_chain(
     for hop in &route {
         hops.push(ProbeHop::open(client.network(), remote.model_id(), hop, steps).await?);
     }
-    let (mut round_trips, mut computes, mut overheads) = (vec![], vec![], vec![]);
-    let ids = prompt_ids(steps, bench.source.spec().vocab_size);
-    for (position, id) in ids.into_iter().enumerate() {
-        let mut x = remote.head().embed(&[id])?;
+    let mut caches = match local {
+        Some(m) => Some(
+            m.spans
+                .iter()
+                .map(|s| s.new_session(s.range(), steps))
+                .collect::<petal_model::Result<Vec<_>>>()?,
+        ),
+        None => None,
+    };
+    let mut times = ProbeTimes::default();
+    for (position, id) in prompt_ids(steps, spec.vocab_size).into_iter().enumerate() {
+        // The first steps (two, when there are more) warm up caches and connections.
+        times.recording = position >= 2.min(steps - 1);
+        let t0 = Instant::now();
+        let x = remote.head().embed(&[id])?;
+        let embed = t0.elapsed();
+        let local_out = match (local, caches.as_mut()) {
+            (Some(model), Some(caches)) => Some(local_forward(model, &x, position, caches)?),
+            _ => None,
+        };
+        let t1 = Instant::now();
+        let mut y = x;
         for hop in &mut hops {
             let t = Instant::now();
-            let (out, compute) = hop.step(&x, position).await?;
-            let round_trip = t.elapsed();
-            // The first steps warm up caches and connections.
-            if position >= 2 {
-                round_trips.push(round_trip);
-                computes.push(compute);
-                overheads.push(round_trip.saturating_sub(compute));
-            }
-            x = out;
+            let (out, compute) = hop.step(&y, position).await?;
+            times.hop(t.elapsed(), compute);
+            y = out;
         }
+        let chain = t1.elapsed();
+        let t2 = Instant::now();
+        greedy(remote.head(), &y)?;
+        times.step(chain, embed + t2.elapsed(), local_out, &y)?;
     }
     for hop in hops {
         hop.close().await;
     }
-    Ok(json!({
-        "steps": steps,
-        "hop_round_trip_ms": round(median_ms(&round_trips), 3),
-        "server_compute_ms": round(median_ms(&computes), 3),
-        "overhead_ms_per_hop": round(median_ms(&overheads), 3),
-    }))
+    Ok(times.to_json(steps, route.len()))
+}
+
+/// The local blocks on `x` at `position`, and how long they took.
+fn local_forward(
+    model: &LocalModel,
+    x: &Tensor,
+    position: usize,
+    caches: &mut [petal_model::SpanCache],
+) -> Result<(Tensor, Duration)> {
+    let t = Instant::now();
+    let mut y = x.clone();
+    for (span, cache) in model.spans.iter().zip(caches) {
+        y = span.forward(&y, position, cache)?;
+    }
+    Ok((y, t.elapsed()))
+}
+
+/// What [`probe_chain`] records, per hop and per step.
+#[derive(Default)]
+struct ProbeTimes {
+    recording: bool,
+    hop_round_trips: Vec<Duration>,
+    hop_computes: Vec<Duration>,
+    hop_overheads: Vec<Duration>,
+    chain: Vec<Duration>,
+    head: Vec<Duration>,
+    local: Vec<Duration>,
+    /// Per step: chain time minus local blocks time, in ms (negative when the chain was faster).
+    added: Vec<f64>,
+    /// Largest difference between the chain's and the local blocks' outputs.
+    max_abs_diff: f32,
+}
+
+impl ProbeTimes {
+    fn hop(&mut self, round_trip: Duration, compute: Duration) {
+        if self.recording {
+            self.hop_round_trips.push(round_trip);
+            self.hop_computes.push(compute);
+            self.hop_overheads.push(round_trip.saturating_sub(compute));
+        }
+    }
+
+    fn step(
+        &mut self,
+        chain: Duration,
+        head: Duration,
+        local: Option<(Tensor, Duration)>,
+        chain_out: &Tensor,
+    ) -> Result<()> {
+        if let Some((local_out, _)) = &local {
+            let diff = (local_out.to_dtype(DType::F32)? - chain_out.to_dtype(DType::F32)?)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            self.max_abs_diff = self.max_abs_diff.max(diff);
+        }
+        if self.recording {
+            self.chain.push(chain);
+            self.head.push(head);
+            if let Some((_, l)) = local {
+                self.local.push(l);
+                self.added
+                    .push((chain.as_secs_f64() - l.as_secs_f64()) * 1e3);
+            }
+        }
+        Ok(())
+    }
+
+    fn to_json(&self, steps: usize, hops: usize) -> Value {
+        let mut v = json!({
+            "steps": steps,
+            "hop_round_trip_ms": round(median_ms(&self.hop_round_trips), 3),
+            "server_compute_ms": round(median_ms(&self.hop_computes), 3),
+            "overhead_ms_per_hop": round(median_ms(&self.hop_overheads), 3),
+            "chain_ms": round(median_ms(&self.chain), 3),
+            "head_ms": round(median_ms(&self.head), 3),
+        });
+        if !self.local.is_empty() {
+            let (chain, head, local) = (
+                median_ms(&self.chain),
+                median_ms(&self.head),
+                median_ms(&self.local),
+            );
+            v["local_blocks_ms"] = json!(round(local, 3));
+            v["added_ms_per_hop"] = json!(round(median(&self.added) / hops.max(1) as f64, 3));
+            v["step_ratio_to_local"] = json!(round((head + local) / (head + chain).max(1e-9), 3));
+            v["max_abs_diff"] = json!(self.max_abs_diff);
+        }
+        v
+    }
 }
 
 /// One hop's session, driven frame by frame.
