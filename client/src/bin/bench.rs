@@ -12,7 +12,7 @@ use clap::Parser;
 use futures::StreamExt;
 use petal_client::{RemoteModel, SwarmClient};
 use petal_model::generation::GenerationConfig;
-use petal_model::placement::parse_dtype;
+use petal_model::placement::{parse_dtype, DeviceSpec};
 use petal_model::prompt::encode_prompt;
 use petal_model::sampling::SamplingParams;
 use petal_model::tokenizer::Tokenizer;
@@ -86,6 +86,10 @@ struct Args {
     /// Prompt length, in random token ids, for models driven without a tokenizer.
     #[arg(long, default_value_t = 8)]
     id_prompt_tokens: usize,
+    /// Device of the local model, the nodes and the client's head: cpu, cuda:N, metal:N or auto (GPU builds:
+    /// `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// Compute dtype (f32, f16, bf16); synthetic weights are also written in it. GGUF blocks compute in f32.
     #[arg(long, default_value = "f32")]
     dtype: String,
@@ -128,6 +132,7 @@ struct Bench {
     head_placement: Placement,
     /// Where blocks compute, locally and on the nodes.
     span_placement: Placement,
+    device: DeviceSpec,
     workload: Workload,
     repeats: usize,
     /// When extra repeats stop (see `--budget-seconds`).
@@ -273,6 +278,7 @@ fn run(args: Args) -> Result<Value> {
         "model_id": bench.source.model_id()?,
         "format": format!("{:?}", bench.source.format()),
         "quantization": bench.source.quantization(),
+        "device": bench.device.to_string(),
         "compute_dtype": bench.span_placement.dtype.as_str(),
         "synthetic": synthetic,
         "blocks": spec.num_blocks,
@@ -404,10 +410,13 @@ fn prepare(args: &Args, path: PathBuf, dtype: DType) -> Result<Bench> {
         "prompt ({}) plus new tokens ({new_tokens}) exceed the model's {max} positions",
         workload.prompt_len()
     );
+    let device = DeviceSpec::parse(&args.device)?;
+    let opened = device.open()?;
     Ok(Bench {
         path,
-        head_placement: Placement::new(Device::Cpu, dtype),
-        span_placement: Placement::new(Device::Cpu, span_dtype),
+        head_placement: Placement::new(opened.clone(), dtype),
+        span_placement: Placement::new(opened, span_dtype),
+        device,
         source,
         workload,
         repeats: args.repeats,
@@ -532,6 +541,8 @@ fn local_ids(model: &LocalModel, prompt: &[u32], new_tokens: usize) -> Result<Ru
         for (span, cache) in model.spans.iter().zip(&mut caches) {
             x = span.forward(&x, position, cache)?;
         }
+        // GPU kernels run asynchronously: wait for them before reading the clock.
+        x.device().synchronize()?;
         let t2 = Instant::now();
         let next = greedy(&model.head, &x)?;
         timer.record(t0, t1, t2);
@@ -701,7 +712,12 @@ struct LocalSwarm {
 }
 
 impl LocalSwarm {
-    async fn start(model: &Path, spans: &[BlockRange], dtype: DType) -> Result<Self> {
+    async fn start(
+        model: &Path,
+        spans: &[BlockRange],
+        device: DeviceSpec,
+        dtype: DType,
+    ) -> Result<Self> {
         let localhost: Multiaddr = "/ip4/127.0.0.1/tcp/0".parse()?;
         let bootstrap = petal_node::start_bootstrap(
             Keypair::generate_ed25519(),
@@ -716,6 +732,7 @@ impl LocalSwarm {
             cfg.listen = vec![localhost.clone()];
             cfg.bootstrap = bootstrap_addrs.clone();
             cfg.public_name = format!("node{}", i + 1);
+            cfg.devices = vec![device];
             cfg.dtype = Some(dtype);
             let node = Node::start(cfg)
                 .await
@@ -753,7 +770,13 @@ async fn measure_chain(bench: &Bench, k: usize, local: Option<&LocalModel>) -> R
     let spans = split_blocks(bench.source.spec().num_blocks, k);
     let load_avg = load_average();
     let t = Instant::now();
-    let swarm = LocalSwarm::start(&bench.path, &spans, bench.span_placement.dtype).await?;
+    let swarm = LocalSwarm::start(
+        &bench.path,
+        &spans,
+        bench.device,
+        bench.span_placement.dtype,
+    )
+    .await?;
     let startup_seconds = t.elapsed().as_secs_f64();
     let result = chain_runs(bench, &swarm.client, local).await;
     swarm.shutdown().await;
@@ -937,6 +960,7 @@ fn local_forward(
     for (span, cache) in model.spans.iter().zip(caches) {
         y = span.forward(&y, position, cache)?;
     }
+    y.device().synchronize()?;
     Ok((y, t.elapsed()))
 }
 
