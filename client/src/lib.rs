@@ -6,6 +6,7 @@
 //! one generation loop over the local or the remote model, on a session a [`Conversation`] can keep across chat
 //! turns.
 pub mod conversation;
+pub mod defaults;
 pub mod error;
 pub mod generator;
 pub mod remote_model;

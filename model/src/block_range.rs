@@ -32,6 +32,14 @@ impl BlockRange {
         other.start >= self.start && other.end <= self.end
     }
 
+    /// Splits blocks `0..blocks` into `n` contiguous, nearly equal spans (at most one per block).
+    pub fn split_even(blocks: usize, n: usize) -> Vec<BlockRange> {
+        let n = n.clamp(1, blocks.max(1));
+        (0..n)
+            .map(|i| BlockRange::new(i * blocks / n, (i + 1) * blocks / n))
+            .collect()
+    }
+
     /// Parses `A..B`; `..` alone and `A..` / `..B` are not accepted, to keep spans explicit.
     pub fn parse(s: &str) -> Result<Self> {
         let bad = |reason: &str| ModelError::BlockRange {
@@ -92,6 +100,27 @@ mod tests {
         let r = BlockRange::parse("10..20").unwrap();
         assert_eq!((r.start, r.end, r.len()), (10, 20, 10));
         r.validate(30).unwrap();
+    }
+
+    #[test]
+    fn splits_evenly() {
+        let spans = BlockRange::split_even(30, 3);
+        assert_eq!(
+            spans,
+            vec![
+                BlockRange::new(0, 10),
+                BlockRange::new(10, 20),
+                BlockRange::new(20, 30)
+            ]
+        );
+        assert_eq!(
+            BlockRange::split_even(5, 3)
+                .iter()
+                .map(|r| r.len())
+                .sum::<usize>(),
+            5
+        );
+        assert_eq!(BlockRange::split_even(2, 5).len(), 2);
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub mod sampling;
 pub mod source;
 pub mod span;
 pub mod spec;
+pub mod synthetic;
 pub mod text_stream;
 pub mod tokenizer;
 pub mod weights;

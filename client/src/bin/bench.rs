@@ -27,16 +27,8 @@ use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-// The synthetic-model writer lives in petal-model (model/src/synthetic.rs); it is compiled in here so the bench
-// does not depend on petal-model exporting it. It uses only std and serde_json.
-#[path = "../../../model/src/synthetic.rs"]
-#[allow(dead_code)]
-mod synthetic;
+use petal_model::synthetic::{self, SyntheticShape, WeightDType};
 
-use synthetic::{SyntheticShape, WeightDType};
-
-/// Where the default model is looked for, under each models root.
-const DEFAULT_MODEL: &str = "smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf";
 /// Seed of synthetic weights and prompts: the same shape always gives the same model id and tokens.
 const SEED: u64 = 0x5EED_2024;
 /// How long the client waits for the swarm's records to cover the model.
@@ -47,6 +39,10 @@ const WARMUP_TOKENS: usize = 8;
 /// swarm runs alternate and load drift on a shared machine hits both alike. Bigger ones are dropped before the
 /// nodes load their spans, so the weights are never held twice.
 const PAIRED_MAX_BYTES: u64 = 1 << 30;
+/// Round trips timed after an idle gap, and the gap: about one decode step of a small model, long enough for
+/// tokio's and the kernel's threads to park, as they do while a node computes.
+const IDLE_ITERS: usize = 50;
+const IDLE_GAP: Duration = Duration::from_millis(20);
 /// Decode steps of the per-hop probe (fewer when fewer tokens are generated).
 const PROBE_STEPS: usize = 32;
 /// Iterations of the per-hop microbenchmarks (each is microseconds, so this costs well under a second).
@@ -98,7 +94,7 @@ struct Args {
     repeats: usize,
     /// Past this many seconds, measurements still to come run once (and the probe shortens), so a run on a busy
     /// machine still ends in reasonable time; the JSON says how many runs each figure rests on.
-    #[arg(long, default_value_t = 120.0)]
+    #[arg(long, default_value_t = 90.0)]
     budget_seconds: f64,
     /// Skip the per-hop overhead microbenchmarks.
     #[arg(long)]
@@ -206,27 +202,20 @@ struct Run {
     head_ms: Option<f64>,
 }
 
+/// The whole bench: local, overhead microbenchmarks, then each chain; returns the report.
 fn run(args: Args) -> Result<Value> {
     let started = Instant::now();
     let load_start = load_average();
-    ensure!(args.repeats >= 1, "--repeats must be at least 1");
-    ensure!(
-        args.chains.iter().all(|&k| k >= 1),
-        "--chains takes positive node counts"
-    );
+    check_args(&args)?;
     let dtype = parse_dtype(&args.dtype)?;
+    let device = DeviceSpec::parse(&args.device)?;
+    let opened = device.open()?;
     let (path, synthetic, _temp) = resolve_model(&args)?;
-    let mut bench = prepare(&args, path, dtype)?;
-    ensure!(
-        args.budget_seconds.is_finite() && args.budget_seconds >= 0.0,
-        "--budget-seconds must be a non-negative number"
-    );
-    bench.deadline = started + Duration::from_secs_f64(args.budget_seconds);
-    let bench = bench;
-    let spec = bench.source.spec().clone();
-    for &k in &args.chains {
-        ensure!(
-            k <= spec.num_blocks,
+    let deadline = started + Duration::from_secs_f64(args.budget_seconds);
+    let bench = prepare(&args, path, (device, opened), dtype, deadline)?;
+    let spec = bench.source.spec();
+    if let Some(&k) = args.chains.iter().find(|&&k| k > spec.num_blocks) {
+        bail!(
             "a chain of {k} nodes cannot split {} blocks",
             spec.num_blocks
         );
@@ -250,29 +239,68 @@ fn run(args: Args) -> Result<Value> {
         local_summary.tokens_per_second, local_summary.ms_per_token
     );
     let paired = (weights_bytes(&bench.path) <= PAIRED_MAX_BYTES).then_some(model);
+    let (overhead, chains) = measure_swarms(&bench, &args, paired)?;
 
+    let mut report = describe(&bench, &args, synthetic)?;
+    report["machine"] = json!({
+        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "compute_threads": candle_core::utils::get_num_threads(),
+        "load_avg_start": load_start,
+        "load_avg_end": load_average(),
+    });
+    report["local"] = local_summary.to_json();
+    report["chains"] = chains
+        .iter()
+        .map(|c| c.to_json(&local_summary, &local))
+        .collect();
+    report["overhead"] = overhead;
+    report["elapsed_seconds"] = json!(round(started.elapsed().as_secs_f64(), 1));
+    Ok(report)
+}
+
+/// Refuses arguments that would make the bench meaningless, before anything is written or loaded.
+fn check_args(args: &Args) -> Result<()> {
+    ensure!(args.repeats >= 1, "--repeats must be at least 1");
+    ensure!(
+        args.chains.iter().all(|&k| k >= 1),
+        "--chains takes positive node counts"
+    );
+    ensure!(
+        args.budget_seconds.is_finite() && args.budget_seconds >= 0.0,
+        "--budget-seconds must be a non-negative number"
+    );
+    Ok(())
+}
+
+/// The overhead microbenchmarks and every chain, on an async runtime (the local phase needs none). `paired`, the
+/// local model when it is small enough to keep, is dropped at the end.
+fn measure_swarms(
+    bench: &Bench,
+    args: &Args,
+    paired: Option<LocalModel>,
+) -> Result<(Value, Vec<Chain>)> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    let (overhead, chains) = runtime.block_on(async {
+    runtime.block_on(async {
         let overhead = if args.no_overhead {
             Value::Null
         } else {
+            let spec = bench.source.spec();
             measure_overhead(spec.hidden_size, bench.span_placement.dtype).await?
         };
         let mut chains = vec![];
         for &k in &args.chains {
-            chains.push(measure_chain(&bench, k, paired.as_ref()).await?);
+            chains.push(measure_chain(bench, k, paired.as_ref()).await?);
         }
-        anyhow::Ok((overhead, chains))
-    })?;
+        Ok((overhead, chains))
+    })
+}
 
-    drop(paired);
-    let chain_json: Vec<Value> = chains
-        .iter()
-        .map(|c| c.to_json(&local_summary, &local))
-        .collect();
+/// What was measured and how: the report's fields other than the figures.
+fn describe(bench: &Bench, args: &Args, synthetic: Value) -> Result<Value> {
+    let spec = bench.source.spec();
     Ok(json!({
         "model": bench.path.display().to_string(),
         "model_id": bench.source.model_id()?,
@@ -289,16 +317,6 @@ fn run(args: Args) -> Result<Value> {
         "repeats": bench.repeats,
         "budget_seconds": args.budget_seconds,
         "warmup_tokens": WARMUP_TOKENS,
-        "machine": {
-            "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
-            "compute_threads": candle_core::utils::get_num_threads(),
-            "load_avg_start": load_start,
-            "load_avg_end": load_average(),
-        },
-        "local": local_summary.to_json(),
-        "chains": chain_json,
-        "overhead": overhead,
-        "elapsed_seconds": round(started.elapsed().as_secs_f64(), 1),
     }))
 }
 
@@ -317,7 +335,8 @@ fn resolve_model(args: &Args) -> Result<(PathBuf, Value, Option<TempDir>)> {
     let Some(name) = &args.synthetic else {
         let path = match &args.model {
             Some(m) => m.clone(),
-            None => default_model()?,
+            None => petal_client::defaults::default_model()
+                .with_context(petal_client::defaults::default_model_missing)?,
         };
         return Ok((path, Value::Null, None));
     };
@@ -357,26 +376,14 @@ fn resolve_model(args: &Args) -> Result<(PathBuf, Value, Option<TempDir>)> {
     Ok((dir, info, temp))
 }
 
-/// The default model under `$PETAL_MODELS`, `../shared/models` or the repository's `../shared/models`, as `petal
-/// demo` looks for it.
-fn default_model() -> Result<PathBuf> {
-    let mut roots = vec![];
-    if let Ok(dir) = std::env::var("PETAL_MODELS") {
-        roots.push(PathBuf::from(dir));
-    }
-    roots.push(PathBuf::from("../shared/models"));
-    roots.push(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/models"));
-    roots
-        .iter()
-        .map(|r| r.join(DEFAULT_MODEL))
-        .find(|p| p.exists())
-        .with_context(|| {
-            format!("default model {DEFAULT_MODEL} not found under $PETAL_MODELS or ../shared/models; pass --model PATH")
-        })
-}
-
-/// Opens the model and decides placements and the workload.
-fn prepare(args: &Args, path: PathBuf, dtype: DType) -> Result<Bench> {
+/// Opens the model and decides placements (on `device`, as named and as opened) and the workload.
+fn prepare(
+    args: &Args,
+    path: PathBuf,
+    device: (DeviceSpec, Device),
+    dtype: DType,
+    deadline: Instant,
+) -> Result<Bench> {
     let source = ModelSource::open(&path).with_context(|| format!("opening {}", path.display()))?;
     // GGUF blocks keep their quantized weights only in f32 (as `petal generate` and the nodes do).
     let span_dtype = if source.format() == ModelFormat::Gguf {
@@ -384,7 +391,10 @@ fn prepare(args: &Args, path: PathBuf, dtype: DType) -> Result<Bench> {
     } else {
         dtype
     };
-    let synthetic_1b = args.synthetic.as_deref() == Some("1b");
+    let synthetic_1b = args
+        .synthetic
+        .as_deref()
+        .is_some_and(|s| s.trim().eq_ignore_ascii_case("1b"));
     let new_tokens = args
         .new_tokens
         .unwrap_or(if synthetic_1b { 16 } else { 64 });
@@ -410,8 +420,7 @@ fn prepare(args: &Args, path: PathBuf, dtype: DType) -> Result<Bench> {
         "prompt ({}) plus new tokens ({new_tokens}) exceed the model's {max} positions",
         workload.prompt_len()
     );
-    let device = DeviceSpec::parse(&args.device)?;
-    let opened = device.open()?;
+    let (device, opened) = device;
     Ok(Bench {
         path,
         head_placement: Placement::new(opened.clone(), dtype),
@@ -420,7 +429,7 @@ fn prepare(args: &Args, path: PathBuf, dtype: DType) -> Result<Bench> {
         source,
         workload,
         repeats: args.repeats,
-        deadline: Instant::now(),
+        deadline,
     })
 }
 
@@ -756,18 +765,10 @@ impl LocalSwarm {
     }
 }
 
-/// Splits `blocks` into `n` contiguous, nearly equal spans (as `petal demo` does).
-fn split_blocks(blocks: usize, n: usize) -> Vec<BlockRange> {
-    let n = n.clamp(1, blocks.max(1));
-    (0..n)
-        .map(|i| BlockRange::new(i * blocks / n, (i + 1) * blocks / n))
-        .collect()
-}
-
 /// Starts a swarm of `k` nodes, generates `repeats` times through it (alternating with local runs when `local`
 /// is kept), and stops it.
 async fn measure_chain(bench: &Bench, k: usize, local: Option<&LocalModel>) -> Result<Chain> {
-    let spans = split_blocks(bench.source.spec().num_blocks, k);
+    let spans = BlockRange::split_even(bench.source.spec().num_blocks, k);
     let load_avg = load_average();
     let t = Instant::now();
     let swarm = LocalSwarm::start(
@@ -1022,6 +1023,8 @@ impl ProbeTimes {
             "hop_round_trip_ms": round(median_ms(&self.hop_round_trips), 3),
             "server_compute_ms": round(median_ms(&self.hop_computes), 3),
             "overhead_ms_per_hop": round(median_ms(&self.hop_overheads), 3),
+            "overhead_ms_per_hop_p90": round(percentile_ms(&self.hop_overheads, 0.9), 3),
+            "overhead_ms_per_hop_mean": round(mean_ms(&self.hop_overheads), 3),
             "chain_ms": round(median_ms(&self.chain), 3),
             "head_ms": round(median_ms(&self.head), 3),
         });
@@ -1032,7 +1035,10 @@ impl ProbeTimes {
                 median_ms(&self.local),
             );
             v["local_blocks_ms"] = json!(round(local, 3));
-            v["added_ms_per_hop"] = json!(round(median(&self.added) / hops.max(1) as f64, 3));
+            let per_hop = |v: f64| json!(round(v / hops.max(1) as f64, 3));
+            v["added_ms_per_hop"] = per_hop(median(&self.added));
+            v["added_ms_per_hop_mean"] =
+                per_hop(self.added.iter().sum::<f64>() / self.added.len() as f64);
             v["step_ratio_to_local"] = json!(round((head + local) / (head + chain).max(1e-9), 3));
             v["max_abs_diff"] = json!(self.max_abs_diff);
         }
@@ -1123,8 +1129,8 @@ impl ProbeHop {
 async fn measure_overhead(hidden_size: usize, dtype: DType) -> Result<Value> {
     eprintln!("overhead   serialisation, loopback round trip, blocking-pool hand-off");
     let wire = measure_serialisation(hidden_size, dtype)?;
-    let transport = measure_round_trip(&wire.request).await?;
-    let handoff = measure_spawn_blocking().await?;
+    let (transport, transport_idle) = measure_round_trip(&wire.request).await?;
+    let (handoff, handoff_idle) = measure_spawn_blocking().await?;
     let serialise_us = wire.client_encode_us
         + wire.server_decode_us
         + wire.server_encode_us
@@ -1142,8 +1148,12 @@ async fn measure_overhead(hidden_size: usize, dtype: DType) -> Result<Value> {
             "total": round(serialise_us, 2),
         },
         "loopback_round_trip_us": round(transport, 1),
+        "loopback_round_trip_after_idle_us": round(transport_idle, 1),
         "spawn_blocking_us": round(handoff, 1),
+        "spawn_blocking_after_idle_us": round(handoff_idle, 1),
+        "idle_gap_ms": IDLE_GAP.as_secs_f64() * 1e3,
         "predicted_ms_per_hop": round((serialise_us + transport + handoff) / 1e3, 3),
+        "predicted_ms_per_hop_after_idle": round((serialise_us + transport_idle + handoff_idle) / 1e3, 3),
     }))
 }
 
@@ -1231,9 +1241,10 @@ fn checked_hidden(t: pb::Tensor, hidden_size: usize) -> Result<Tensor> {
     Ok(from_wire(&t, dtype, &shape)?)
 }
 
-/// Median round trip of one decode step's frames over a libp2p stream between two in-process peers on loopback
-/// (TCP, noise, yamux, as between a client and a node), with a server that echoes the hidden states back.
-async fn measure_round_trip(request: &pb::Request) -> Result<f64> {
+/// Median round trips of one decode step's frames over a libp2p stream between two in-process peers on loopback
+/// (TCP, noise, yamux, as between a client and a node), with a server that echoes the hidden states back: back to
+/// back (threads hot), and after an idle gap as long as a decode step (threads parked, as during a node's compute).
+async fn measure_round_trip(request: &pb::Request) -> Result<(f64, f64)> {
     let mut server_config = NetConfig::new(Keypair::generate_ed25519());
     server_config.listen = vec!["/ip4/127.0.0.1/tcp/0".parse()?];
     let server = Network::start(server_config).await?;
@@ -1249,24 +1260,37 @@ async fn measure_round_trip(request: &pb::Request) -> Result<f64> {
         .await;
     let stream = client.open_stream(server.peer_id()).await?;
     let mut framed = FramedStream::new(stream, DEFAULT_MAX_FRAME_BYTES);
-    let mut times = vec![];
-    for i in 0..OVERHEAD_ITERS + 20 {
-        let t = Instant::now();
-        framed.send(request).await?;
-        framed
-            .recv::<pb::Response>()
-            .await?
-            .context("echo stream closed")?;
-        // The first round trips warm up the connection and the yamux windows.
-        if i >= 20 {
-            times.push(t.elapsed());
-        }
+    // The first round trips warm up the connection and the yamux windows.
+    for _ in 0..20 {
+        round_trip(&mut framed, request).await?;
+    }
+    let mut hot = vec![];
+    for _ in 0..OVERHEAD_ITERS {
+        hot.push(round_trip(&mut framed, request).await?);
+    }
+    let mut idle = vec![];
+    for _ in 0..IDLE_ITERS {
+        tokio::time::sleep(IDLE_GAP).await;
+        idle.push(round_trip(&mut framed, request).await?);
     }
     framed.close().await;
     client.shutdown().await;
     server.shutdown().await;
     echo.abort();
-    Ok(median_ms(&times) * 1e3)
+    Ok((median_ms(&hot) * 1e3, median_ms(&idle) * 1e3))
+}
+
+async fn round_trip(
+    framed: &mut FramedStream<petal_p2p::Stream>,
+    request: &pb::Request,
+) -> Result<Duration> {
+    let t = Instant::now();
+    framed.send(request).await?;
+    framed
+        .recv::<pb::Response>()
+        .await?
+        .context("echo stream closed")?;
+    Ok(t.elapsed())
 }
 
 /// Answers every step with its own hidden states, as a node with no blocks would.
@@ -1288,16 +1312,23 @@ async fn echo_steps(stream: petal_p2p::Stream) {
     }
 }
 
-/// Median time to hand an empty job to tokio's blocking pool and get its result back, as the node does for
-/// every step's compute.
-async fn measure_spawn_blocking() -> Result<f64> {
-    let mut times = vec![];
+/// Median times to hand an empty job to tokio's blocking pool and get its result back, as the node does for every
+/// step's compute: back to back, and after an idle gap as long as a decode step.
+async fn measure_spawn_blocking() -> Result<(f64, f64)> {
+    let mut hot = vec![];
     for _ in 0..OVERHEAD_ITERS {
         let t = Instant::now();
         tokio::task::spawn_blocking(|| ()).await?;
-        times.push(t.elapsed());
+        hot.push(t.elapsed());
     }
-    Ok(median_ms(&times) * 1e3)
+    let mut idle = vec![];
+    for _ in 0..IDLE_ITERS {
+        tokio::time::sleep(IDLE_GAP).await;
+        let t = Instant::now();
+        tokio::task::spawn_blocking(|| ()).await?;
+        idle.push(t.elapsed());
+    }
+    Ok((median_ms(&hot) * 1e3, median_ms(&idle) * 1e3))
 }
 
 /// The 1, 5 and 15 minute load averages (Linux), or null elsewhere.
@@ -1325,6 +1356,24 @@ fn median(values: &[f64]) -> f64 {
     } else {
         v[mid]
     }
+}
+
+/// The `q` quantile (0..=1, nearest rank) of `durations`, in ms.
+fn percentile_ms(durations: &[Duration], q: f64) -> f64 {
+    let mut v: Vec<f64> = durations.iter().map(|d| d.as_secs_f64() * 1e3).collect();
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let rank = ((v.len() - 1) as f64 * q.clamp(0.0, 1.0)).round() as usize;
+    v[rank]
+}
+
+fn mean_ms(durations: &[Duration]) -> f64 {
+    if durations.is_empty() {
+        return 0.0;
+    }
+    durations.iter().map(|d| d.as_secs_f64() * 1e3).sum::<f64>() / durations.len() as f64
 }
 
 fn median_ms(durations: &[Duration]) -> f64 {

@@ -14,9 +14,6 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// Where the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) is looked for, in order.
-const DEFAULT_MODEL: &str = "smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf";
-
 #[derive(Args, Debug)]
 pub struct DemoArgs {
     /// Model to split (default: SmolLM2-135M-Instruct from ../shared/models or $PETAL_MODELS).
@@ -34,38 +31,15 @@ pub struct DemoArgs {
     pub sampling: SamplingArgs,
 }
 
-pub fn default_model() -> anyhow::Result<PathBuf> {
-    let mut roots = vec![];
-    if let Ok(dir) = std::env::var("PETAL_MODELS") {
-        roots.push(PathBuf::from(dir));
-    }
-    roots.push(PathBuf::from("../shared/models"));
-    roots.push(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/models"));
-    roots
-        .iter()
-        .map(|r| r.join(DEFAULT_MODEL))
-        .find(|p| p.exists())
-        .with_context(|| {
-            format!("default model {DEFAULT_MODEL} not found under $PETAL_MODELS or ../shared/models; pass --model PATH")
-        })
-}
-
-/// Splits `blocks` into `n` contiguous, nearly equal spans.
-pub fn split_blocks(blocks: usize, n: usize) -> Vec<BlockRange> {
-    let n = n.clamp(1, blocks.max(1));
-    (0..n)
-        .map(|i| BlockRange::new(i * blocks / n, (i + 1) * blocks / n))
-        .collect()
-}
-
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let model = match args.model {
         Some(m) => m,
-        None => default_model()?,
+        None => petal_client::defaults::default_model()
+            .with_context(petal_client::defaults::default_model_missing)?,
     };
     let config = args.sampling.config()?;
     let source = ModelSource::open(&model)?;
-    let spans = split_blocks(source.spec().num_blocks, args.nodes);
+    let spans = BlockRange::split_even(source.spec().num_blocks, args.nodes);
 
     let localhost: petal_p2p::Multiaddr = "/ip4/127.0.0.1/tcp/0".parse()?;
     let bootstrap = petal_node::start_bootstrap(
