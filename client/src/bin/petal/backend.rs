@@ -1,6 +1,5 @@
 //! The model options of `petal api` and `petal chat`, and loading a [`Generator`] from them: the whole model in
 //! this process (`--local`) or its head here and the blocks through the swarm.
-use crate::generate::block_placement;
 use anyhow::Context;
 use clap::Args;
 use libp2p::Multiaddr;
@@ -86,5 +85,15 @@ impl ModelArgs {
             source,
             client: Some(client),
         })
+    }
+}
+
+/// GGUF blocks keep their quantized weights only in f32; other formats compute in the asked dtype.
+pub fn block_placement(source: &ModelSource, asked: &Placement) -> Placement {
+    match source.format() {
+        petal_model::ModelFormat::Gguf => {
+            Placement::new(asked.device.clone(), candle_core::DType::F32)
+        }
+        _ => asked.clone(),
     }
 }

@@ -1,7 +1,7 @@
 //! `petal demo`: a whole swarm in one process on loopback: a bootstrap peer and three nodes splitting the model,
 //! then one prompt answered through them with the route shown.
 use crate::args::SamplingArgs;
-use crate::generate::block_placement;
+use crate::backend::block_placement;
 use anyhow::Context;
 use clap::Args;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
