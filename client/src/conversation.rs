@@ -7,12 +7,12 @@
 //! conversation would. The session is re-opened (and the whole conversation sent again) only when the rendering
 //! no longer starts with what it holds (a reply cut at a stop string, a template that rewrites earlier turns), when
 //! the turn would not fit in it, or when a reused session fails before the turn produced any text.
-use crate::error::Result;
-use crate::generator::{Completion, Generator, GeneratorSession};
-use petal_model::chat::ChatMessage;
-use petal_model::generation::GenerationConfig;
-use petal_model::prompt::encode_chat;
-use petal_model::tokenizer::Tokenizer;
+use crate::error::{ClientError, Result};
+use crate::generator::{Completion, Generator, Session};
+use petal_model::text::chat::ChatMessage;
+use petal_model::text::decoding::GenerationConfig;
+use petal_model::text::prompt::encode_chat;
+use petal_model::text::tokenizer::Tokenizer;
 use petal_model::ModelError;
 
 /// Positions a conversation's session holds unless a turn needs more (capped at the model's context).
@@ -34,7 +34,7 @@ pub struct Conversation<'g> {
     system: Option<String>,
     /// User and assistant turns so far (the system message is added when rendering).
     messages: Vec<ChatMessage>,
-    session: Option<GeneratorSession>,
+    session: Option<Session>,
     /// The ids the session has processed, in order (`session.position()` of them).
     processed: Vec<u32>,
     window: usize,
@@ -43,7 +43,7 @@ pub struct Conversation<'g> {
 
 impl<'g> Conversation<'g> {
     /// A conversation with `system` as its system message (an empty one when `None`, see
-    /// [`petal_model::prompt::chat_messages`]). Fails when the model has no chat template.
+    /// [`petal_model::text::prompt::chat_messages`]). Fails when the model has no chat template.
     pub fn new(
         generator: &'g Generator,
         tokenizer: &'g Tokenizer,
@@ -94,7 +94,7 @@ impl<'g> Conversation<'g> {
 
     /// The current session's position (0 without a session).
     pub fn position(&self) -> usize {
-        self.session.as_ref().map_or(0, GeneratorSession::position)
+        self.session.as_ref().map_or(0, |s| s.position())
     }
 
     /// Sessions opened so far (1 after any number of turns that all continued the first one).
@@ -104,10 +104,7 @@ impl<'g> Conversation<'g> {
 
     /// The current session's chain through the swarm (empty when local or without a session).
     pub fn route(&self) -> Vec<String> {
-        self.session
-            .as_ref()
-            .map(GeneratorSession::route)
-            .unwrap_or_default()
+        self.session.as_ref().map(|s| s.route()).unwrap_or_default()
     }
 
     /// Sends a user message and generates the assistant's reply, calling `on_text` with each completed piece.
@@ -122,11 +119,10 @@ impl<'g> Conversation<'g> {
         let ids = encode_chat(self.tokenizer, &self.chat_messages(Some(user)))?;
         let max_position = self.generator.max_position();
         if ids.len() >= max_position {
-            return Err(ModelError::Config(format!(
+            return Err(ClientError::Request(format!(
                 "the conversation is {} tokens long, the model's context is {max_position}: reset it",
                 ids.len()
-            ))
-            .into());
+            )));
         }
         let needed = (ids.len() + config.max_new_tokens).min(max_position);
         let reusable = self.session.as_ref().is_some_and(|s| {
@@ -196,7 +192,9 @@ impl<'g> Conversation<'g> {
         emitted: &mut bool,
     ) -> Result<Completion> {
         let Some(session) = self.session.as_mut() else {
-            return Err(ModelError::Config("the conversation has no session".into()).into());
+            return Err(ClientError::Request(
+                "the conversation has no session".into(),
+            ));
         };
         let new_prompt_tokens = ids.len() - session.position();
         tracing::debug!(

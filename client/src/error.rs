@@ -4,23 +4,33 @@ use petal_proto::pb;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
+    /// The model files, tokenizer or local compute failed.
     #[error(transparent)]
     Model(#[from] petal_model::ModelError),
+    /// The client's own peer could not start or reach the swarm.
     #[error(transparent)]
     Net(#[from] petal_p2p::NetError),
+    /// The caller asked for something that cannot be done (an empty prompt, a context longer than the session);
+    /// no server was at fault.
+    #[error("bad request: {0}")]
+    Request(String),
+    /// No live server of this model covers these blocks.
     #[error("no server covers blocks {}; model id {model_id}", fmt_ranges(.missing))]
     Uncovered {
         model_id: String,
         missing: Vec<BlockRange>,
     },
+    /// A server answered with an error.
     #[error("server {peer} refused: {code:?}: {message}")]
     Server {
         peer: String,
         code: pb::ErrorCode,
         message: String,
     },
+    /// A server broke the protocol: a bad frame, an unexpected message, a closed stream, wrong hidden states.
     #[error("server {peer}: {reason}")]
     Protocol { peer: String, reason: String },
+    /// A server did not answer in time.
     #[error("server {peer} did not answer within {seconds:.1} s")]
     Timeout { peer: String, seconds: f64 },
 }
@@ -39,7 +49,7 @@ impl ClientError {
                     | pb::ErrorCode::CacheFull
                     | pb::ErrorCode::Unspecified
             ),
-            Self::Model(_) | Self::Uncovered { .. } => false,
+            Self::Model(_) | Self::Request(_) | Self::Uncovered { .. } => false,
         }
     }
 }

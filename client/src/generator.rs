@@ -1,74 +1,36 @@
-//! One generation loop over either the whole model in this process ([`LocalModel`]) or a chain of servers
-//! ([`RemoteModel`]), on a session the caller may keep across calls (a chat keeps one for the whole conversation).
+//! The one decode loop. A [`Generator`] holds the model's local parts (embeddings, final norm, LM head) and its
+//! blocks ([`ModelBlocks`]: in this process or on a chain of servers), and generates the same way over either, on
+//! a session the caller may keep across calls (a chat keeps one for the whole conversation). `petal generate`,
+//! `petal chat`, `petal api`, the demo and the bench all generate through it.
 //!
-//! The model's compute (embeddings, blocks in-process, LM head) is synchronous CPU work: on a multi-threaded tokio
-//! runtime it runs under `block_in_place`, so the other tasks of the worker (other requests, the swarm actor)
-//! move to other threads meanwhile, and every step ends at an `.await`, so a task aborted between steps stops.
+//! The head's compute (and the blocks', when local) is synchronous CPU work: on a multi-threaded tokio runtime it
+//! runs under `block_in_place`, so the other tasks of the worker (other requests, the swarm actor) move to other
+//! threads meanwhile, and every step ends at an `.await`, so a task aborted between steps stops.
+use crate::blocks::{BlockSession, LocalSpans, ModelBlocks, RemoteChain};
+use crate::chain::{ChainConfig, Failover, HopTiming};
 use crate::error::{ClientError, Result};
-use crate::remote_model::RemoteModel;
-use crate::session::InferenceSession;
+use crate::swarm::SwarmClient;
 use candle_core::Tensor;
-use petal_model::generation::{Generation, GenerationConfig, GenerationOutput, GenerationTimer};
-use petal_model::tokenizer::Tokenizer;
-use petal_model::{Head, LocalModel, ModelError, SpanCache};
+use petal_model::text::decoding::{
+    Generation, GenerationConfig, GenerationOutput, GenerationTimer,
+};
+use petal_model::{Head, ModelSource, Placement, Tokenizer};
+use serde::Serialize;
+use std::time::{Duration, Instant};
+
+/// An open session on a generator's blocks.
+pub type Session = Box<dyn BlockSession>;
 
 /// Generates locally or through the swarm, the same way.
-// One per process, so the variants' sizes do not matter; boxing would only add noise at every construction.
-#[allow(clippy::large_enum_variant)]
-pub enum Generator {
-    /// Every block in this process.
-    Local(LocalModel),
-    /// The blocks on a chain of servers; head and sampling here.
-    Remote(RemoteModel),
+pub struct Generator {
+    head: Head,
+    blocks: Box<dyn ModelBlocks>,
+    model_id: String,
+    max_position: usize,
+    local: bool,
 }
 
-/// Sessions opened by [`Generator::open_session`]: the KV caches of every position processed so far.
-pub enum GeneratorSession {
-    Local(LocalSession),
-    Remote(InferenceSession),
-}
-
-/// The in-process equivalent of an [`InferenceSession`]: one [`SpanCache`] per span.
-pub struct LocalSession {
-    caches: Vec<SpanCache>,
-    position: usize,
-    max_length: usize,
-}
-
-impl GeneratorSession {
-    /// Positions processed so far (the next step's first position).
-    pub fn position(&self) -> usize {
-        match self {
-            Self::Local(s) => s.position,
-            Self::Remote(s) => s.position(),
-        }
-    }
-
-    /// Positions the session can hold.
-    pub fn max_length(&self) -> usize {
-        match self {
-            Self::Local(s) => s.max_length,
-            Self::Remote(s) => s.max_length(),
-        }
-    }
-
-    /// `name(peer)[a..b]` per hop through the swarm; empty for a local session.
-    pub fn route(&self) -> Vec<String> {
-        match self {
-            Self::Local(_) => vec![],
-            Self::Remote(s) => s.route(),
-        }
-    }
-
-    /// Frees the session (the servers' KV caches for a remote one).
-    pub async fn close(self) {
-        if let Self::Remote(s) = self {
-            s.close().await;
-        }
-    }
-}
-
-/// What one generation produced.
+/// What one generation produced, and what it cost.
 #[derive(Debug, Clone)]
 pub struct Completion {
     /// Text, generated ids (without the end-of-sequence token), finish reason and timings; `prompt_tokens` counts
@@ -79,78 +41,141 @@ pub struct Completion {
     pub sampled: Vec<u32>,
     /// True when `on_text` asked to stop (the listener went away) before the generation finished.
     pub cancelled: bool,
+    pub cost: Cost,
+}
+
+/// Where a completion's time and bytes went.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Cost {
+    /// `name(peer)[a..b]` per hop at the end of the completion; empty when local.
+    pub route: Vec<String>,
+    /// Bytes sent and received over all hops during this completion.
+    pub bytes_on_wire: u64,
+    /// Servers replaced during this completion.
+    pub failovers: Vec<Failover>,
+    /// One entry per step, in order: the first is the prefill of the context, the rest decode one token each.
+    pub steps: Vec<StepTiming>,
+}
+
+/// The parts of one step, as the client measured them.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct StepTiming {
+    /// Positions the step processed.
+    pub tokens: usize,
+    #[serde(serialize_with = "crate::serde_ms")]
+    pub embed: Duration,
+    /// Through every block: local compute, or the whole chain's round trips.
+    #[serde(serialize_with = "crate::serde_ms")]
+    pub blocks: Duration,
+    /// Final norm and LM head.
+    #[serde(serialize_with = "crate::serde_ms")]
+    pub head: Duration,
+    #[serde(serialize_with = "crate::serde_ms")]
+    pub sample: Duration,
+    /// Per hop of a remote chain: round trip and server compute.
+    pub hops: Vec<HopTiming>,
 }
 
 impl Generator {
+    /// A generator over `blocks`, with `head` here; `model_id` names the exact weights.
+    pub fn new(
+        head: Head,
+        blocks: impl ModelBlocks + 'static,
+        model_id: String,
+        max_position: usize,
+    ) -> Self {
+        Self {
+            head,
+            blocks: Box::new(blocks),
+            model_id,
+            max_position,
+            local: false,
+        }
+    }
+
+    /// The whole model in this process: head and every block on `placement` (blocks in the dtype the source's
+    /// policy picks for it).
+    pub fn local(source: &ModelSource, placement: Placement) -> Result<Self> {
+        let blocks = LocalSpans::load(source, &placement)?;
+        let mut generator = Self::new(
+            source.load_head(placement)?,
+            blocks,
+            source.model_id()?,
+            source.spec().max_position,
+        );
+        generator.local = true;
+        Ok(generator)
+    }
+
+    /// The head on `placement` here (nothing else is read from `source`), the blocks on the swarm `client` knows.
+    pub fn remote(
+        client: &SwarmClient,
+        source: &ModelSource,
+        placement: Placement,
+        config: ChainConfig,
+    ) -> Result<Self> {
+        let model_id = source.model_id()?;
+        let chain = RemoteChain::new(
+            client.clone(),
+            model_id.clone(),
+            source.spec().num_blocks,
+            config,
+        );
+        Ok(Self::new(
+            source.load_head(placement)?,
+            chain,
+            model_id,
+            source.spec().max_position,
+        ))
+    }
+
     /// The local parts of the model: embeddings, final norm, LM head.
     pub fn head(&self) -> &Head {
-        match self {
-            Self::Local(m) => &m.head,
-            Self::Remote(m) => m.head(),
-        }
+        &self.head
+    }
+
+    /// The model id (a fingerprint of the exact weights).
+    pub fn model_id(&self) -> &str {
+        &self.model_id
     }
 
     /// The model's context length: a session holds at most this many positions.
     pub fn max_position(&self) -> usize {
-        match self {
-            Self::Local(m) => m.spans.first().map(|s| s.spec().max_position).unwrap_or(0),
-            Self::Remote(m) => m.max_position(),
-        }
+        self.max_position
     }
 
+    /// Whether every block runs in this process.
     pub fn is_local(&self) -> bool {
-        matches!(self, Self::Local(_))
+        self.local
     }
 
-    /// A session able to hold `max_length` positions (through the swarm: over a freshly planned chain).
-    pub async fn open_session(&self, max_length: usize) -> Result<GeneratorSession> {
-        match self {
-            Self::Local(m) => {
-                let caches = m
-                    .spans
-                    .iter()
-                    .map(|s| s.new_session(s.range(), max_length))
-                    .collect::<petal_model::Result<Vec<_>>>()?;
-                Ok(GeneratorSession::Local(LocalSession {
-                    caches,
-                    position: 0,
-                    max_length,
-                }))
-            }
-            Self::Remote(m) => Ok(GeneratorSession::Remote(m.open_session(max_length).await?)),
-        }
+    /// A session able to hold `max_length` positions.
+    pub async fn open_session(&self, max_length: usize) -> Result<Session> {
+        self.blocks.open(max_length).await
     }
 
-    /// Runs `ids` (the next positions of `session`) through the model and returns the last position's logits.
-    pub async fn step(&self, session: &mut GeneratorSession, ids: &[u32]) -> Result<Tensor> {
-        let head = self.head();
-        let hidden = compute(|| head.embed(ids))?;
-        let out = match (self, session) {
-            (Self::Local(m), GeneratorSession::Local(s)) => {
-                let out = compute(|| -> petal_model::Result<Tensor> {
-                    let mut x = hidden;
-                    for (span, cache) in m.spans.iter().zip(&mut s.caches) {
-                        x = span.forward(&x, s.position, cache)?;
-                    }
-                    Ok(x)
-                })?;
-                s.position += ids.len();
-                // Let the runtime cancel an aborted request, and other tasks run, between steps.
-                tokio::task::yield_now().await;
-                out
-            }
-            (Self::Remote(_), GeneratorSession::Remote(s)) => s.step(&hidden).await?,
-            _ => {
-                return Err(ModelError::Config(
-                    "a session used with a generator that did not open it".into(),
-                )
-                .into())
-            }
+    /// Runs `ids` (the next positions of `session`) through the model and returns the last position's logits and
+    /// what the step cost (its `sample` left at zero).
+    pub async fn step(&self, session: &mut Session, ids: &[u32]) -> Result<(Tensor, StepTiming)> {
+        let t0 = Instant::now();
+        let hidden = compute(|| self.head.embed(ids))?;
+        let t1 = Instant::now();
+        let out = session.forward(&hidden).await?;
+        let t2 = Instant::now();
+        let logits = compute(|| self.head.logits(&out.hidden))?;
+        let timing = StepTiming {
+            tokens: ids.len(),
+            embed: t1 - t0,
+            blocks: t2 - t1,
+            head: t2.elapsed(),
+            sample: Duration::ZERO,
+            hops: out.hops,
         };
-        Ok(compute(|| head.logits(&out))?)
+        Ok((logits, timing))
     }
 
-    /// Generates from `prompt` on a session of its own (opened here, closed at the end).
+    /// Generates from `prompt` on a session of its own (opened here, closed at the end). `on_text` gets each
+    /// completed piece of text and returns whether to go on.
     pub async fn generate(
         &self,
         tokenizer: &Tokenizer,
@@ -158,11 +183,31 @@ impl Generator {
         config: &GenerationConfig,
         on_text: impl FnMut(&str) -> bool,
     ) -> Result<Completion> {
-        check_fits(prompt.len(), self.max_position())?;
-        let max_length = (prompt.len() + config.max_new_tokens).min(self.max_position());
+        self.generate_with(Some(tokenizer), prompt, config, on_text)
+            .await
+    }
+
+    /// [`Generator::generate`] for a model driven by token ids alone (no tokenizer: no text, no end-of-sequence).
+    pub async fn generate_ids(
+        &self,
+        prompt: &[u32],
+        config: &GenerationConfig,
+    ) -> Result<Completion> {
+        self.generate_with(None, prompt, config, |_| true).await
+    }
+
+    async fn generate_with(
+        &self,
+        tokenizer: Option<&Tokenizer>,
+        prompt: &[u32],
+        config: &GenerationConfig,
+        on_text: impl FnMut(&str) -> bool,
+    ) -> Result<Completion> {
+        check_fits(prompt.len(), self.max_position)?;
+        let max_length = (prompt.len() + config.max_new_tokens).min(self.max_position);
         let mut session = self.open_session(max_length).await?;
         let result = self
-            .continue_in(&mut session, tokenizer, prompt, config, on_text)
+            .decode(&mut session, tokenizer, prompt, config, on_text)
             .await;
         session.close().await;
         result
@@ -174,33 +219,49 @@ impl Generator {
     /// returns whether to go on. Stops at the end of the generation or when the session is full.
     pub async fn continue_in(
         &self,
-        session: &mut GeneratorSession,
+        session: &mut Session,
         tokenizer: &Tokenizer,
+        context: &[u32],
+        config: &GenerationConfig,
+        on_text: impl FnMut(&str) -> bool,
+    ) -> Result<Completion> {
+        self.decode(session, Some(tokenizer), context, config, on_text)
+            .await
+    }
+
+    /// The decode loop.
+    async fn decode(
+        &self,
+        session: &mut Session,
+        tokenizer: Option<&Tokenizer>,
         context: &[u32],
         config: &GenerationConfig,
         mut on_text: impl FnMut(&str) -> bool,
     ) -> Result<Completion> {
         let start = session.position();
         if start >= context.len() {
-            return Err(ModelError::Config(format!(
+            return Err(ClientError::Request(format!(
                 "the session already holds {start} positions; the context ({} ids) must add at least one",
                 context.len()
-            ))
-            .into());
+            )));
         }
         check_fits(context.len(), session.max_length())?;
+        let (bytes_before, failovers_before) = (session.bytes_on_wire(), session.failovers().len());
         let mut generation = Generation::new(tokenizer, context, config)?;
         let mut timer = GenerationTimer::new();
         let mut text = String::new();
-        let mut sampled = vec![];
+        let (mut sampled, mut steps) = (vec![], vec![]);
         let mut cancelled = false;
         let mut input = context[start..].to_vec();
         while generation.finished().is_none()
             && session.position() + input.len() <= session.max_length()
         {
-            let logits = self.step(session, &input).await?;
+            let (logits, mut timing) = self.step(session, &input).await?;
+            let t = Instant::now();
             let step = compute(|| generation.step(&logits))?;
+            timing.sample = t.elapsed();
             timer.tick();
+            steps.push(timing);
             sampled.push(step.token);
             text.push_str(&step.text);
             if !on_text(&step.text) {
@@ -213,6 +274,13 @@ impl Generator {
             output: timer.finish(context.len(), &generation, text),
             sampled,
             cancelled,
+            cost: Cost {
+                route: session.route(),
+                bytes_on_wire: session.bytes_on_wire().saturating_sub(bytes_before),
+                failovers: session.failovers()[failovers_before.min(session.failovers().len())..]
+                    .to_vec(),
+                steps,
+            },
         })
     }
 }
@@ -220,12 +288,14 @@ impl Generator {
 /// A context of `len` ids needs `len` positions, and at least one id.
 fn check_fits(len: usize, max_length: usize) -> Result<()> {
     if len == 0 {
-        return Err(ModelError::Config("the prompt is empty (no token ids)".into()).into());
+        return Err(ClientError::Request(
+            "the prompt is empty (no token ids)".into(),
+        ));
     }
     if len > max_length {
-        return Err(ClientError::Model(ModelError::Config(format!(
+        return Err(ClientError::Request(format!(
             "a context of {len} tokens does not fit in {max_length} positions"
-        ))));
+        )));
     }
     Ok(())
 }

@@ -1,23 +1,32 @@
 //! petal-client: generate text through a Petal swarm.
 //!
 //! [`SwarmClient`] joins the swarm and finds servers in the DHT; [`router`] chains spans that cover the model;
-//! [`InferenceSession`] streams hidden states through that chain; [`RemoteModel`] holds the local parts of the model
-//! (embeddings, final norm, LM head) and generates with the same sampler as local generation. [`Generator`] runs
-//! one generation loop over the local or the remote model, on a session a [`Conversation`] can keep across chat
-//! turns.
+//! [`HopClient`] speaks the per-hop protocol to one server; [`ChainSession`] streams hidden states through a chain
+//! of hops and replaces failed servers. [`ModelBlocks`] is "the blocks of a model", in this process
+//! ([`LocalSpans`]) or on a chain ([`RemoteChain`]); [`Generator`] is the one decode loop over either, on a session
+//! a [`Conversation`] can keep across chat turns.
+pub mod blocks;
+pub mod chain;
 pub mod conversation;
-pub mod defaults;
 pub mod error;
 pub mod generator;
-pub mod remote_model;
+pub mod hop;
 pub mod router;
-pub mod session;
 pub mod swarm;
 
+pub use blocks::{BlockSession, BlocksOutput, LocalSpans, ModelBlocks, RemoteChain};
+pub use chain::{ChainConfig, ChainSession, Failover, HopTiming};
 pub use conversation::{Conversation, Turn};
 pub use error::ClientError;
-pub use generator::{Completion, Generator, GeneratorSession};
-pub use remote_model::RemoteModel;
-pub use router::{plan_range, plan_route, Hop};
-pub use session::{Failover, InferenceSession, SessionConfig};
+pub use generator::{Completion, Cost, Generator, Session, StepTiming};
+pub use hop::{HopClient, HopStep};
+pub use router::{plan_range, Hop};
 pub use swarm::SwarmClient;
+
+/// Durations as fractional milliseconds in JSON reports.
+pub(crate) fn serde_ms<S: serde::Serializer>(
+    d: &std::time::Duration,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64() * 1e3)
+}

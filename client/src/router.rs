@@ -34,26 +34,10 @@ type Reach = Option<(usize, Duration, Option<(usize, usize)>)>;
 /// RTT assumed for a server never pinged: worse than any loopback or LAN peer, so measured peers win ties.
 const UNKNOWN_RTT: Duration = Duration::from_millis(250);
 
-/// Plans a chain covering blocks `0..num_blocks` from live `servers`, skipping `banned` peers. From each position
-/// the chain may use any server whose span contains it and runs to that server's end (or the target's); among
-/// chains with the fewest hops, the lowest sum of RTTs wins. Errors name the blocks nobody serves.
-pub fn plan_route(
-    model_id: &str,
-    servers: &[ServerRecord],
-    num_blocks: usize,
-    rtt: impl Fn(&str) -> Option<Duration>,
-    banned: &HashSet<String>,
-) -> Result<Vec<Hop>> {
-    plan_range(
-        model_id,
-        servers,
-        BlockRange::new(0, num_blocks),
-        rtt,
-        banned,
-    )
-}
-
-/// Plans a chain covering `target` only, e.g. the blocks of a failed hop.
+/// Plans a chain covering `target` (the whole model, or the blocks of a failed hop) from live `servers`, skipping
+/// `banned` peers. From each position the chain may use any server whose span contains it and runs to that
+/// server's end (or the target's); among chains with the fewest hops, the lowest sum of RTTs wins. Errors name the
+/// blocks nobody serves.
 pub fn plan_range(
     model_id: &str,
     servers: &[ServerRecord],
@@ -156,10 +140,12 @@ mod tests {
                 .find(|(q, _)| *q == p)
                 .map(|(_, ms)| Duration::from_millis(*ms))
         };
-        Ok(plan_route("m", servers, n, rtt, banned)?
-            .into_iter()
-            .map(|h| (h.record.peer_id.clone(), h.range))
-            .collect())
+        Ok(
+            plan_range("m", servers, BlockRange::new(0, n), rtt, banned)?
+                .into_iter()
+                .map(|h| (h.record.peer_id.clone(), h.range))
+                .collect(),
+        )
     }
 
     #[test]

@@ -1,31 +1,26 @@
 //! petal-model: everything about the model itself, shared by the node and the client.
 //!
-//! A model is opened once ([`ModelSource`]) from a Hugging Face directory, a GGUF file or a llama2.c file; from it a
-//! node loads only the [`BlockSpan`] it serves, and a client only the [`Head`] (embeddings, final norm, LM head).
-//! Every tensor entering a block passes through [`placement::normalise`].
-pub mod block;
-pub mod block_range;
-pub mod chat;
+//! [`compute`]: a model is opened once ([`ModelSource`]) from a Hugging Face directory, a GGUF file or a llama2.c
+//! file; from it a node loads only the [`BlockSpan`] it serves, and a client only the [`Head`] (embeddings, final
+//! norm, LM head). Every tensor entering a block passes through [`normalise`].
+//!
+//! [`text`]: tokenizers, chat templates, sampling and the [`Generation`] state machine that turns logits into
+//! tokens and text.
+//!
+//! With the `synthetic` feature, [`synthetic`] writes random-weight models of a chosen shape (benchmarks, tests).
+pub mod compute;
 pub mod error;
-pub mod generation;
-pub mod head;
-pub mod placement;
-pub mod prompt;
-pub mod sampling;
-pub mod source;
-pub mod span;
-pub mod spec;
+pub mod models_dir;
+#[cfg(feature = "synthetic")]
 pub mod synthetic;
-pub mod text_stream;
-pub mod tokenizer;
-pub mod weights;
-pub mod wire;
+pub mod text;
 
-pub use block_range::BlockRange;
+pub use compute::block_range::BlockRange;
+pub use compute::head::Head;
+pub use compute::placement::{normalise, DeviceSpec, Placement};
+pub use compute::source::{ModelFormat, ModelSource};
+pub use compute::span::{BlockSpan, SpanCache};
+pub use compute::spec::ModelSpec;
 pub use error::{ModelError, Result};
-pub use generation::{FinishReason, GenerationConfig, GenerationOutput, LocalModel};
-pub use head::Head;
-pub use placement::{normalise, DeviceSpec, Placement};
-pub use source::{ModelFormat, ModelSource};
-pub use span::{BlockSpan, SpanCache};
-pub use spec::ModelSpec;
+pub use text::decoding::{FinishReason, Generation, GenerationConfig, GenerationOutput};
+pub use text::tokenizer::Tokenizer;

@@ -2,26 +2,22 @@
 #![allow(dead_code)]
 use std::path::PathBuf;
 
-pub fn shared_models() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/models");
-    assert!(
-        root.exists(),
-        "shared models not found at {} (../shared must sit beside the checkout)",
-        root.display()
-    );
-    root
+/// A shared model file, found by the one lookup (`$PETAL_MODELS`, else ../shared/models).
+pub fn shared_model(relative: &str) -> PathBuf {
+    petal_model::models_dir::find_model(relative)
+        .unwrap_or_else(|| panic!("{}", petal_model::models_dir::missing_model(relative)))
 }
 
 pub fn stories_bin() -> PathBuf {
-    shared_models().join("stories260K/stories260K.bin")
+    shared_model("stories260K/stories260K.bin")
 }
 
 pub fn stories_hf() -> PathBuf {
-    shared_models().join("stories260K/hf")
+    shared_model("stories260K/hf")
 }
 
 pub fn smollm_gguf() -> PathBuf {
-    shared_models().join("smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
+    shared_model(petal_model::models_dir::DEFAULT_MODEL)
 }
 
 /// Largest absolute difference between two f32 tensors of the same shape.

@@ -26,7 +26,7 @@ impl Composed {
             .iter()
             .map(|&(a, b)| {
                 let span = source.load_span_on(BlockRange::new(a, b), &p).unwrap();
-                let cache = span.new_session(span.range(), 512).unwrap();
+                let cache = span.new_cache(span.range(), 512).unwrap();
                 (span, cache)
             })
             .collect();
@@ -75,7 +75,7 @@ fn compare(
 
 /// Prompt "Once upon a time" in the stories260K vocabulary, with BOS.
 fn stories_prompt() -> Vec<u32> {
-    let tok = petal_model::tokenizer::Tokenizer::for_model(&stories_bin(), None).unwrap();
+    let tok = petal_model::text::tokenizer::Tokenizer::for_model(&stories_bin(), None).unwrap();
     tok.encode("Once upon a time", true).unwrap()
 }
 

@@ -5,7 +5,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::*;
-use petal_model::placement::{is_placed, normalise};
+use petal_model::compute::placement::{is_placed, normalise};
 use petal_model::{BlockRange, ModelSource, Placement};
 
 fn placement(dtype: DType) -> Placement {
@@ -29,7 +29,7 @@ fn wire_input_in_another_dtype_is_normalised() {
         let span = source
             .load_span_on(BlockRange::new(0, 5), &placement(block))
             .unwrap();
-        let mut session = span.new_session(span.range(), 16).unwrap();
+        let mut session = span.new_cache(span.range(), 16).unwrap();
         let out = span
             .forward(&x.to_dtype(wire).unwrap(), 0, &mut session)
             .unwrap();
@@ -56,7 +56,7 @@ fn mixed_placements_in_one_span_match_f32() {
         let span = source
             .load_span_on(BlockRange::new(0, 5), &Placement::cpu_f32())
             .unwrap();
-        let mut s = span.new_session(span.range(), 16).unwrap();
+        let mut s = span.new_cache(span.range(), 16).unwrap();
         span.forward(&x, 0, &mut s).unwrap()
     };
     // Alternate dtypes block by block: every block boundary is a placement change.
@@ -65,7 +65,7 @@ fn mixed_placements_in_one_span_match_f32() {
         .map(placement)
         .collect();
     let span = source.load_span(BlockRange::new(0, 5), &mixed).unwrap();
-    let mut s = span.new_session(span.range(), 16).unwrap();
+    let mut s = span.new_cache(span.range(), 16).unwrap();
     let out = span.forward(&x, 0, &mut s).unwrap();
     assert_eq!(out.dtype(), DType::F16);
     let diff = max_abs_diff(&out.to_dtype(DType::F32).unwrap(), &reference);
@@ -93,7 +93,7 @@ fn restored_kv_in_another_dtype_is_normalised() {
     let f32_span = source
         .load_span_on(BlockRange::new(0, 5), &Placement::cpu_f32())
         .unwrap();
-    let mut a = f32_span.new_session(f32_span.range(), 16).unwrap();
+    let mut a = f32_span.new_cache(f32_span.range(), 16).unwrap();
     f32_span.forward(&prompt, 0, &mut a).unwrap();
     let kv: Vec<(Tensor, Tensor)> = a.caches().iter().map(|c| c.snapshot().unwrap()).collect();
     assert!(kv.iter().all(|(k, _)| k.dtype() == DType::F32));
@@ -101,7 +101,7 @@ fn restored_kv_in_another_dtype_is_normalised() {
     let f16_span = source
         .load_span_on(BlockRange::new(0, 5), &placement(DType::F16))
         .unwrap();
-    let mut b = f16_span.new_session(f16_span.range(), 16).unwrap();
+    let mut b = f16_span.new_cache(f16_span.range(), 16).unwrap();
     b.restore(&kv).unwrap();
     assert_eq!(b.position(), 5);
     for cache in b.caches() {
@@ -140,7 +140,7 @@ fn refused_steps_leave_the_session_untouched() {
     let span = source
         .load_span_on(BlockRange::new(0, 5), &Placement::cpu_f32())
         .unwrap();
-    let mut s = span.new_session(span.range(), 8).unwrap();
+    let mut s = span.new_cache(span.range(), 8).unwrap();
     let x = prompt_hidden(&source);
     assert!(
         span.forward(&x, 3, &mut s).is_err(),

@@ -1,6 +1,6 @@
 //! Sampler behaviour on fixed logits: greedy, seeded reproducibility, top-k/top-p, repeat penalty, validation.
 use candle_core::{Device, Tensor};
-use petal_model::sampling::{Sampler, SamplingParams};
+use petal_model::text::sampling::{Sampler, SamplingParams};
 use petal_model::ModelError;
 
 /// A spread-out distribution over 8 tokens, most likely token 3.

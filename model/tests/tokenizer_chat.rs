@@ -4,8 +4,8 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use petal_model::chat::{ChatMessage, ChatTemplate};
-use petal_model::tokenizer::Tokenizer;
+use petal_model::text::chat::{ChatMessage, ChatTemplate};
+use petal_model::text::tokenizer::Tokenizer;
 use petal_model::ModelError;
 
 const LLAMA3: &str = "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
@@ -103,7 +103,7 @@ fn chat_message_serde() {
 /// A copy of stories260K's hf/ directory (tokenizer.json only) to add side files to.
 fn stories_dir_copy() -> (tempfile::TempDir, PathBuf) {
     let tmp = tempfile::tempdir().unwrap();
-    let json = common::shared_models().join("stories260K/hf/tokenizer.json");
+    let json = common::shared_model("stories260K/hf/tokenizer.json");
     std::fs::copy(json, tmp.path().join("tokenizer.json")).unwrap();
     let dir = tmp.path().to_path_buf();
     (tmp, dir)

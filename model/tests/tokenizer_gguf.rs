@@ -5,11 +5,11 @@ mod common;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use petal_model::chat::ChatMessage;
-use petal_model::tokenizer::Tokenizer;
+use petal_model::text::chat::ChatMessage;
+use petal_model::text::tokenizer::Tokenizer;
 
 fn gguf_path() -> PathBuf {
-    common::shared_models().join("smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
+    common::shared_model("smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
 /// Built once: the vocabulary has 49,152 tokens and 48,900 merges.
@@ -156,7 +156,7 @@ fn tokenizer_json_beside_gguf_wins() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model.gguf");
     std::os::unix::fs::symlink(gguf_path(), &model).unwrap();
-    let stories_json = common::shared_models().join("stories260K/hf/tokenizer.json");
+    let stories_json = common::shared_model("stories260K/hf/tokenizer.json");
     std::fs::copy(stories_json, tmp.path().join("tokenizer.json")).unwrap();
     let tok = Tokenizer::for_model(&model, None).unwrap();
     assert_eq!(

@@ -6,11 +6,11 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file;
-use petal_model::tokenizer::Tokenizer;
+use petal_model::text::tokenizer::Tokenizer;
 use petal_model::ModelError;
 
 fn stories_dir() -> PathBuf {
-    common::shared_models().join("stories260K")
+    common::shared_model("stories260K")
 }
 
 const TEXTS: &[&str] = &[
@@ -332,7 +332,7 @@ fn gguf_llama_vocabulary_matches_hf() {
     let chat = gguf.chat_template().expect("template from GGUF metadata");
     assert!(chat.renders_bos());
     let prompt = chat
-        .render(&[petal_model::chat::ChatMessage::user("Hi")], true)
+        .render(&[petal_model::text::chat::ChatMessage::user("Hi")], true)
         .unwrap();
     assert_eq!(prompt, "<s>[user] Hi</s>");
     let ids = gguf.encode(&prompt, !chat.renders_bos()).unwrap();

@@ -2,16 +2,15 @@
 //! strings over streamed text.
 mod common;
 
-use petal_model::text_stream::{StopMatcher, TextStream};
-use petal_model::tokenizer::Tokenizer;
+use petal_model::text::stream::{StopMatcher, TextStream};
+use petal_model::text::tokenizer::Tokenizer;
 
 fn stories() -> Tokenizer {
-    Tokenizer::from_file(&common::shared_models().join("stories260K/tok512.bin")).unwrap()
+    Tokenizer::from_file(&common::shared_model("stories260K/tok512.bin")).unwrap()
 }
 
 fn smollm() -> Tokenizer {
-    let path =
-        common::shared_models().join("smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let path = common::shared_model("smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
     Tokenizer::for_model(&path, None).unwrap()
 }
 

@@ -1,15 +1,15 @@
 //! Where each served block lives: one device, or a span split across several (`--devices cuda:0,cuda:1`), in
 //! proportion to free memory or as `--split 6,4` says.
-use anyhow::{bail, Context};
+use crate::{NodeError, Result};
 use candle_core::{DType, Device};
-use petal_model::placement::{device_memory, device_name, DeviceSpec};
+use petal_model::compute::placement::{device_memory, device_name, DeviceSpec};
 use petal_model::{BlockRange, Placement};
 use petal_proto::pb;
 
 /// Opens every device asked for; an absent device or a build without its backend fails here, at start-up.
-pub fn open_devices(specs: &[DeviceSpec]) -> anyhow::Result<Vec<Device>> {
+pub fn open_devices(specs: &[DeviceSpec]) -> Result<Vec<Device>> {
     if specs.is_empty() {
-        bail!("no device given");
+        return Err(NodeError::Devices("no device given".into()));
     }
     specs.iter().map(|s| Ok(s.open()?)).collect()
 }
@@ -20,25 +20,27 @@ pub fn plan_split(
     blocks: usize,
     devices: &[Device],
     split: Option<&[usize]>,
-) -> anyhow::Result<Vec<usize>> {
+) -> Result<Vec<usize>> {
     if let Some(split) = split {
         if split.len() != devices.len() {
-            bail!(
+            return Err(NodeError::Devices(format!(
                 "--split has {} parts for {} devices",
                 split.len(),
                 devices.len()
-            );
+            )));
         }
         if split.iter().sum::<usize>() != blocks || split.contains(&0) {
-            bail!("--split {split:?} must give every device at least one block and add up to {blocks}");
+            return Err(NodeError::Devices(format!(
+                "--split {split:?} must give every device at least one block and add up to {blocks}"
+            )));
         }
         return Ok(split.to_vec());
     }
     if devices.len() > blocks {
-        bail!(
+        return Err(NodeError::Devices(format!(
             "{} devices for {blocks} blocks: each device needs at least one block",
             devices.len()
-        );
+        )));
     }
     let free: Vec<f64> = devices
         .iter()
@@ -101,9 +103,14 @@ pub fn device_infos(
 }
 
 /// Parses `--devices cpu,cuda:0`.
-pub fn parse_devices(s: &str) -> anyhow::Result<Vec<DeviceSpec>> {
+pub fn parse_devices(s: &str) -> Result<Vec<DeviceSpec>> {
     s.split(',')
-        .map(|d| DeviceSpec::parse(d).with_context(|| format!("in --devices {s}")))
+        .map(|d| {
+            DeviceSpec::parse(d).map_err(|source| NodeError::Device {
+                list: s.to_string(),
+                source,
+            })
+        })
         .collect()
 }
 
@@ -126,6 +133,19 @@ mod tests {
         assert!(plan_split(10, &devs, Some(&[6, 3])).is_err());
         assert!(plan_split(10, &devs, Some(&[10, 0])).is_err());
         assert!(plan_split(10, &devs, Some(&[10])).is_err());
+    }
+
+    #[test]
+    fn a_bad_device_names_the_flag_and_what_is_available() {
+        let err = parse_devices("cpu,gpu:x").unwrap_err();
+        assert!(matches!(err, NodeError::Device { .. }), "{err:?}");
+        let cause = std::error::Error::source(&err).map(ToString::to_string);
+        let text = format!("{err}: {}", cause.unwrap_or_default());
+        assert!(text.starts_with("in --devices cpu,gpu:x: "), "{text}");
+        assert!(
+            text.contains("\"gpu:x\"") && text.contains("available: cpu"),
+            "{text}"
+        );
     }
 
     #[test]

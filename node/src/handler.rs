@@ -3,8 +3,8 @@
 //! Sessions belong to the stream that opened them, so another peer can never step or close them, and every way a
 //! stream ends (close, idle timeout, disconnect, protocol violation) drops its sessions and their cache budget.
 use crate::admission::Reservation;
-use crate::server::ServerContext;
-use petal_model::wire::{from_wire, to_wire};
+use crate::context::ServerContext;
+use petal_model::compute::wire::{from_wire, to_wire};
 use petal_model::{BlockRange, ModelError, SpanCache};
 use petal_p2p::{PeerId, Stream};
 use petal_proto::pb::{self, request, response, ErrorCode};
@@ -180,7 +180,7 @@ fn open_session(
         Ok(r) => r,
         Err(refusal) => return error(refusal.code(), refusal.to_string()),
     };
-    let cache = match ctx.span.new_session(range, max_length) {
+    let cache = match ctx.span.new_cache(range, max_length) {
         Ok(c) => c,
         Err(e) => return error(ErrorCode::BadRequest, e.to_string()),
     };
@@ -269,8 +269,11 @@ async fn run_step(
         return error(ErrorCode::Internal, "session is busy");
     };
     let span = ctx.span.clone();
+    let tokens = shape[0] * shape[1];
     let started = Instant::now();
     let joined = tokio::task::spawn_blocking(move || {
+        let _span =
+            tracing::trace_span!("node_step", blocks = %cache.range(), position, tokens).entered();
         let out = span.forward(&x, position, &mut cache);
         (cache, out)
     })
@@ -286,7 +289,7 @@ async fn run_step(
         }
     };
     let compute_micros = started.elapsed().as_micros() as u64;
-    ctx.record_step(shape[0] * shape[1], compute_micros);
+    ctx.record_step(tokens, compute_micros);
     match out.and_then(|t| to_wire(&t, ctx.wire_dtype)) {
         Ok(hidden) => response::Kind::Step(pb::StepResult {
             session_id: step.session_id,

@@ -10,11 +10,13 @@
 //! | `petal_kv_cache_tokens_used` / `_free` / `_total` | gauge | KV cache budget (`--cache-tokens`) in positions |
 //! | `petal_build_info` | gauge (always 1) | labels `version`, `model`, `model_id`, `blocks` |
 //!
-//! Counters and the histogram are updated by [`ServerContext::record_step`]; the gauges are read from
-//! [`Admission::usage`](crate::admission::Admission::usage) when the page is rendered, so they are never stale.
+//! Counters and the histogram are updated by [`Metrics::record_step`] after each step; the gauges are read from
+//! [`MetricsSource::usage`] (the node's admission control) when the page is rendered, so they are never stale.
+//!
+//! This module knows nothing of the server: the HTTP endpoint renders any [`MetricsSource`], which the server
+//! context implements.
 use crate::admission::Usage;
-use crate::server::ServerContext;
-use anyhow::Context;
+use crate::{NodeError, Result};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
@@ -163,39 +165,46 @@ fn gauge_value(v: usize) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
+/// What a metrics page is rendered from: a node's [`Metrics`] and its cache usage now.
+pub trait MetricsSource: Send + Sync + 'static {
+    fn metrics(&self) -> &Metrics;
+    fn usage(&self) -> Usage;
+}
+
 /// The node's metrics page, with the gauges read from its admission control now.
-pub fn render(ctx: &ServerContext) -> String {
-    ctx.metrics.set_usage(ctx.admission.usage());
-    ctx.metrics.render()
+pub fn render(source: &dyn MetricsSource) -> String {
+    let metrics = source.metrics();
+    metrics.set_usage(source.usage());
+    metrics.render()
 }
 
 /// `GET /metrics` (anything else is 404).
-pub fn router(ctx: Arc<ServerContext>) -> Router {
+pub fn router(source: Arc<dyn MetricsSource>) -> Router {
     Router::new()
         .route("/metrics", get(metrics_page))
-        .with_state(ctx)
+        .with_state(source)
 }
 
-async fn metrics_page(State(ctx): State<Arc<ServerContext>>) -> impl IntoResponse {
+async fn metrics_page(State(source): State<Arc<dyn MetricsSource>>) -> impl IntoResponse {
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, CONTENT_TYPE)],
-        render(&ctx),
+        render(source.as_ref()),
     )
 }
 
 /// Binds the metrics listener, with an error that names the flag (called before the span loads, so a taken port
 /// fails at once).
-pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+pub async fn bind(addr: SocketAddr) -> Result<TcpListener> {
     TcpListener::bind(addr)
         .await
-        .with_context(|| format!("cannot listen for metrics on {addr} (--metrics-listen)"))
+        .map_err(|source| NodeError::MetricsBind { addr, source })
 }
 
 /// Serves `GET /metrics` on `listener` until the task is dropped or aborted.
-pub async fn serve(listener: TcpListener, ctx: Arc<ServerContext>) {
+pub async fn serve(listener: TcpListener, source: Arc<dyn MetricsSource>) {
     let addr = listener.local_addr().ok();
-    if let Err(e) = axum::serve(listener, router(ctx)).await {
+    if let Err(e) = axum::serve(listener, router(source)).await {
         tracing::warn!(?addr, error = %e, "metrics server stopped");
     }
 }

@@ -1,17 +1,16 @@
 //! A running node: the span it serves, its network, its announcer and the stream handlers.
 use crate::admission::{Admission, Usage};
-use crate::devices;
-use crate::metrics::{BuildInfo, Metrics};
+use crate::context::ServerContext;
+use crate::{devices, handler, metrics, NodeError, Result};
 use candle_core::DType;
-use petal_model::placement::DeviceSpec;
-use petal_model::wire::wire_dtype;
+use petal_model::compute::placement::DeviceSpec;
+use petal_model::compute::wire::wire_dtype;
 use petal_model::{BlockRange, BlockSpan, ModelSource};
 use petal_p2p::{Announcer, AnnouncerHandle, Keypair, Multiaddr, NetConfig, Network, PeerId};
 use petal_proto::pb;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 
@@ -23,7 +22,9 @@ pub struct NodeConfig {
     /// One device, or several to split the span across.
     pub devices: Vec<DeviceSpec>,
     pub split: Option<Vec<usize>>,
-    /// Compute dtype; `None` picks f32 (GGUF always computes in f32 to keep weights quantized).
+    /// Compute dtype asked for (`--dtype`); the blocks run in [`ModelSource::block_dtype`] of it. `None`: f32. A
+    /// GGUF model keeps its quantized weights and computes in f32 unless f16 or bf16 is asked, which dequantizes
+    /// the weights into that dtype.
     pub dtype: Option<DType>,
     pub keypair: Keypair,
     pub listen: Vec<Multiaddr>,
@@ -65,73 +66,6 @@ impl NodeConfig {
     }
 }
 
-/// What the stream handlers share.
-pub struct ServerContext {
-    pub span: Arc<BlockSpan>,
-    pub model_id: String,
-    pub wire_dtype: pb::WireDType,
-    pub admission: Arc<Admission>,
-    pub session_timeout: Duration,
-    pub max_frame_bytes: usize,
-    record: Mutex<pb::ServerRecord>,
-    pub tokens_processed: AtomicU64,
-    pub steps: AtomicU64,
-    /// Prometheus metrics (rendered by [`crate::metrics::render`]).
-    pub metrics: Metrics,
-}
-
-impl ServerContext {
-    /// The state shared by a node's stream handlers; `record` is the node's announcement (usage fields are filled
-    /// in from `admission` whenever it is read).
-    pub fn new(
-        span: Arc<BlockSpan>,
-        model_id: String,
-        admission: Arc<Admission>,
-        session_timeout: Duration,
-        max_frame_bytes: usize,
-        record: pb::ServerRecord,
-    ) -> anyhow::Result<Self> {
-        let metrics = Metrics::new(&BuildInfo {
-            version: env!("CARGO_PKG_VERSION").to_string(),
-            model: record.model_name.clone(),
-            model_id: model_id.clone(),
-            blocks: span.range(),
-        });
-        Ok(Self {
-            wire_dtype: wire_dtype(span.input_placement().dtype)?,
-            span,
-            model_id,
-            admission,
-            session_timeout,
-            max_frame_bytes,
-            record: Mutex::new(record),
-            tokens_processed: AtomicU64::new(0),
-            steps: AtomicU64::new(0),
-            metrics,
-        })
-    }
-
-    /// The current record, as answered to InfoRequest.
-    pub fn record(&self) -> pb::ServerRecord {
-        let mut r = self.record.lock().map(|r| r.clone()).unwrap_or_default();
-        apply_usage(&mut r, self.admission.usage());
-        r
-    }
-
-    pub fn record_step(&self, tokens: usize, compute_micros: u64) {
-        self.tokens_processed
-            .fetch_add(tokens as u64, Ordering::Relaxed);
-        self.steps.fetch_add(1, Ordering::Relaxed);
-        self.metrics.record_step(tokens as u64, compute_micros);
-    }
-}
-
-fn apply_usage(r: &mut pb::ServerRecord, u: Usage) {
-    r.cache_tokens_free = u.tokens_free() as u64;
-    r.cache_tokens_total = u.tokens_total as u64;
-    r.sessions_open = u.sessions as u32;
-}
-
 /// A started node.
 pub struct Node {
     net: Network,
@@ -145,23 +79,33 @@ pub struct Node {
 
 impl Node {
     /// Loads the span, joins the swarm, starts serving and announcing. Bad models, ranges and devices fail here.
-    pub async fn start(config: NodeConfig) -> anyhow::Result<Node> {
+    pub async fn start(config: NodeConfig) -> Result<Node> {
         // Bound first, so a taken port fails before minutes of loading.
         let metrics_listener = match config.metrics_listen {
-            Some(addr) => Some(crate::metrics::bind(addr).await?),
+            Some(addr) => Some(metrics::bind(addr).await?),
             None => None,
         };
         let (span, source) = {
             let config = config.clone();
-            tokio::task::spawn_blocking(move || load_span(&config)).await??
+            tokio::task::spawn_blocking(move || load_span(&config))
+                .await
+                .map_err(|source| NodeError::Join {
+                    task: "loading the span",
+                    source,
+                })??
         };
         let model_id = source.model_id()?;
-        let span = Arc::new(span.0);
-        let (device_infos, quantization) = (span_infos(&config, &span)?, source.quantization());
+        let span = Arc::new(span);
+        let (device_infos, quantization) = (span_infos(&config, &span), source.quantization());
         let wire = wire_dtype(span.input_placement().dtype)?;
         let throughput = {
             let span = span.clone();
-            tokio::task::spawn_blocking(move || measure_throughput(&span)).await??
+            tokio::task::spawn_blocking(move || measure_throughput(&span))
+                .await
+                .map_err(|source| NodeError::Join {
+                    task: "measuring throughput",
+                    source,
+                })??
         };
 
         let mut net_config = NetConfig::new(config.keypair.clone());
@@ -214,7 +158,7 @@ impl Node {
             Some(listener) => {
                 let addr = listener.local_addr()?;
                 tracing::info!(%addr, "metrics on http://{addr}/metrics");
-                let task = tokio::spawn(crate::metrics::serve(listener, ctx.clone()));
+                let task = tokio::spawn(metrics::serve(listener, ctx.clone()));
                 (Some(addr), Some(task))
             }
             None => (None, None),
@@ -225,11 +169,7 @@ impl Node {
         let accept_task = tokio::spawn(async move {
             use futures::StreamExt;
             while let Some((peer, stream)) = incoming.next().await {
-                tokio::spawn(crate::handler::serve_stream(
-                    stream,
-                    peer,
-                    accept_ctx.clone(),
-                ));
+                tokio::spawn(handler::serve_stream(stream, peer, accept_ctx.clone()));
             }
         });
         tracing::info!(
@@ -289,21 +229,13 @@ impl Node {
     }
 }
 
-/// The loaded span plus the source it came from (kept for the model id and metadata).
-struct LoadedSpan(BlockSpan);
-
-fn load_span(config: &NodeConfig) -> anyhow::Result<(LoadedSpan, ModelSource)> {
+/// Opens the devices and the model, checks the range and loads the span (on the blocking pool), returning the
+/// source too for the model id and metadata.
+fn load_span(config: &NodeConfig) -> Result<(BlockSpan, ModelSource)> {
     let devices = devices::open_devices(&config.devices)?;
     let source = ModelSource::open(&config.model)?;
     config.blocks.validate(source.spec().num_blocks)?;
-    let dtype = match source.format() {
-        petal_model::ModelFormat::Gguf => match config.dtype {
-            None | Some(DType::F32) => DType::F32,
-            // f16/bf16 GGUF spans run dequantized.
-            Some(d) => d,
-        },
-        _ => config.dtype.unwrap_or(DType::F32),
-    };
+    let dtype = source.block_dtype(config.dtype);
     let counts = devices::plan_split(config.blocks.len(), &devices, config.split.as_deref())?;
     let placements = devices::placements(&devices, &counts, dtype);
     let bar = indicatif::ProgressBar::new(config.blocks.len() as u64)
@@ -321,30 +253,30 @@ fn load_span(config: &NodeConfig) -> anyhow::Result<(LoadedSpan, ModelSource)> {
     };
     let span = source.load_span_with_progress(config.blocks, &placements, |_| bar.inc(1));
     bar.finish_and_clear();
-    Ok((LoadedSpan(span?), source))
+    Ok((span?, source))
 }
 
-fn span_infos(config: &NodeConfig, span: &BlockSpan) -> anyhow::Result<Vec<pb::DeviceInfo>> {
-    // Group consecutive blocks by device, as they were placed.
+/// The devices of the span as announced: consecutive blocks grouped by the device they were placed on.
+fn span_infos(config: &NodeConfig, span: &BlockSpan) -> Vec<pb::DeviceInfo> {
     let mut devices: Vec<candle_core::Device> = vec![];
     let mut counts: Vec<usize> = vec![];
     for b in span.blocks() {
         let d = &b.placement().device;
-        match devices.last() {
-            Some(last) if last.same_device(d) => *counts.last_mut().unwrap_or(&mut 0) += 1,
+        match (devices.last(), counts.last_mut()) {
+            (Some(last), Some(count)) if last.same_device(d) => *count += 1,
             _ => {
                 devices.push(d.clone());
                 counts.push(1);
             }
         }
     }
-    Ok(devices::device_infos(&devices, &counts, config.blocks))
+    devices::device_infos(&devices, &counts, config.blocks)
 }
 
 /// Decode tokens per second through the whole span, from a few single-token steps of a throwaway session.
-fn measure_throughput(span: &BlockSpan) -> anyhow::Result<f64> {
+fn measure_throughput(span: &BlockSpan) -> Result<f64> {
     const STEPS: usize = 8;
-    let mut session = span.new_session(span.range(), STEPS + 1)?;
+    let mut session = span.new_cache(span.range(), STEPS + 1)?;
     let p = span.input_placement();
     let x = candle_core::Tensor::zeros((1, 1, span.spec().hidden_size), p.dtype, &p.device)?;
     span.forward(&x, 0, &mut session)?; // warm-up
@@ -376,7 +308,7 @@ pub async fn start_bootstrap(
     keypair: Keypair,
     listen: Vec<Multiaddr>,
     record_ttl: Duration,
-) -> anyhow::Result<Network> {
+) -> Result<Network> {
     let mut config = NetConfig::new(keypair);
     config.listen = listen;
     config.dht_server = true;

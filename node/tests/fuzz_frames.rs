@@ -3,8 +3,8 @@
 //! mutations (bit flips, truncation, splices, length-prefix rewrites). The decoder must never panic or over-read,
 //! and every decoded request must get an answer with the cache budget intact. Bounded: a fixed number of
 //! executions, a few seconds in CI.
-use petal_model::{BlockRange, ModelSource, Placement};
-use petal_node::admission::Admission;
+mod common;
+
 use petal_node::handler::StreamState;
 use petal_node::ServerContext;
 use petal_proto::frame::decode_frame;
@@ -12,7 +12,6 @@ use petal_proto::pb::{self, request};
 use petal_proto::PROTOCOL_VERSION;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 const MUTATIONS_PER_FILE: usize = 3000;
 const MAX_FRAME: usize = 1 << 20;
@@ -22,23 +21,9 @@ fn corpus_dir() -> PathBuf {
 }
 
 fn context() -> (Arc<ServerContext>, String) {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/models/stories260K/stories260K.bin");
-    let source = ModelSource::open(path).unwrap();
-    let span = source
-        .load_span_on(BlockRange::new(0, 5), &Placement::cpu_f32())
-        .unwrap();
-    let model_id = source.model_id().unwrap();
-    let ctx = ServerContext::new(
-        Arc::new(span),
-        model_id.clone(),
-        Admission::new(256, 4),
-        Duration::from_secs(60),
-        MAX_FRAME,
-        pb::ServerRecord::default(),
-    )
-    .unwrap();
-    (Arc::new(ctx), model_id)
+    let ctx = common::stories_context(256, 4, MAX_FRAME, pb::ServerRecord::default());
+    let model_id = ctx.model_id.clone();
+    (ctx, model_id)
 }
 
 /// xorshift64*: deterministic mutations, so a failure reproduces.

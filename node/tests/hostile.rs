@@ -1,53 +1,29 @@
 //! Hostile and malformed input against the server's request state machine and its stream handler: each gets a
 //! typed error, other sessions keep working, and nothing leaks.
+mod common;
+
 use candle_core::{DType, Device, Tensor};
-use petal_model::wire::to_wire;
-use petal_model::{BlockRange, ModelSource, Placement};
-use petal_node::admission::Admission;
+use petal_model::compute::wire::to_wire;
+use petal_model::BlockRange;
 use petal_node::handler::{Reply, StreamState};
 use petal_node::ServerContext;
 use petal_proto::pb::{self, request, response, ErrorCode};
-use petal_proto::PROTOCOL_VERSION;
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 const HIDDEN: usize = 64;
 
-fn stories() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/models/stories260K/stories260K.bin")
-}
-
 /// A server context over all 5 blocks of stories260K, with a cache budget of `cache_tokens`.
 fn context(cache_tokens: usize, max_sessions: usize) -> Arc<ServerContext> {
-    let source = ModelSource::open(stories()).unwrap();
-    let span = source
-        .load_span_on(BlockRange::new(0, 5), &Placement::cpu_f32())
-        .unwrap();
-    Arc::new(
-        ServerContext::new(
-            Arc::new(span),
-            source.model_id().unwrap(),
-            Admission::new(cache_tokens, max_sessions),
-            Duration::from_secs(60),
-            1 << 20,
-            pb::ServerRecord::default(),
-        )
-        .unwrap(),
+    common::stories_context(
+        cache_tokens,
+        max_sessions,
+        1 << 20,
+        pb::ServerRecord::default(),
     )
 }
 
 fn open(ctx: &ServerContext, start: u32, end: u32, max_length: u32) -> pb::Request {
-    pb::Request {
-        kind: Some(request::Kind::Open(pb::OpenSession {
-            protocol_version: PROTOCOL_VERSION,
-            model_id: ctx.model_id.clone(),
-            start_block: start,
-            end_block: end,
-            max_length,
-        })),
-    }
+    common::open_request(&ctx.model_id, start, end, max_length)
 }
 
 fn step(session_id: u64, position: u32, hidden: pb::Tensor) -> pb::Request {
@@ -190,7 +166,7 @@ async fn every_bad_request_gets_its_typed_error_and_the_session_survives() {
         response::Kind::Step(s) => s.hidden.unwrap(),
         other => panic!("{other:?}"),
     };
-    let mut direct = ctx.span.new_session(BlockRange::new(0, 5), 16).unwrap();
+    let mut direct = ctx.span.new_cache(BlockRange::new(0, 5), 16).unwrap();
     let x = Tensor::full(0.5f32, (1, 2, HIDDEN), &Device::Cpu).unwrap();
     let expected = to_wire(
         &ctx.span.forward(&x, 0, &mut direct).unwrap(),

@@ -1,15 +1,14 @@
 //! The Prometheus endpoint: steps driven through the request state machine show up in `GET /metrics` (counters,
 //! latency histogram, session and cache gauges, build info), and `Node::start` serves it on `--metrics-listen`.
+mod common;
+
 use candle_core::{Device, Tensor};
-use petal_model::wire::to_wire;
-use petal_model::{BlockRange, ModelSource, Placement};
-use petal_node::admission::Admission;
+use petal_model::compute::wire::to_wire;
+use petal_model::BlockRange;
 use petal_node::handler::{Reply, StreamState};
 use petal_node::{metrics, Node, NodeConfig, ServerContext};
 use petal_proto::pb::{self, request, response};
-use petal_proto::PROTOCOL_VERSION;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -17,43 +16,17 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 const HIDDEN: usize = 64;
 const CACHE_TOKENS: usize = 1024;
 
-fn stories() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/models/stories260K/stories260K.bin")
-}
-
 /// A server context over all 5 blocks of stories260K, built without a network.
 fn context() -> Arc<ServerContext> {
-    let source = ModelSource::open(stories()).unwrap();
-    let span = source
-        .load_span_on(BlockRange::new(0, 5), &Placement::cpu_f32())
-        .unwrap();
-    Arc::new(
-        ServerContext::new(
-            Arc::new(span),
-            source.model_id().unwrap(),
-            Admission::new(CACHE_TOKENS, 8),
-            Duration::from_secs(60),
-            1 << 20,
-            pb::ServerRecord {
-                model_name: "stories260K".into(),
-                ..Default::default()
-            },
-        )
-        .unwrap(),
-    )
+    let record = pb::ServerRecord {
+        model_name: "stories260K".into(),
+        ..Default::default()
+    };
+    common::stories_context(CACHE_TOKENS, 8, 1 << 20, record)
 }
 
 fn open(ctx: &ServerContext, max_length: u32) -> pb::Request {
-    pb::Request {
-        kind: Some(request::Kind::Open(pb::OpenSession {
-            protocol_version: PROTOCOL_VERSION,
-            model_id: ctx.model_id.clone(),
-            start_block: 0,
-            end_block: 5,
-            max_length,
-        })),
-    }
+    common::open_request(&ctx.model_id, 0, 5, max_length)
 }
 
 fn step(session_id: u64, position: u32, tokens: usize) -> pb::Request {
@@ -217,7 +190,7 @@ async fn steps_show_up_in_the_scraped_metrics() {
 
 #[tokio::test]
 async fn a_started_node_serves_metrics_on_its_metrics_listen_address() {
-    let mut config = NodeConfig::new(stories(), BlockRange::new(1, 4));
+    let mut config = NodeConfig::new(common::stories(), BlockRange::new(1, 4));
     config.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()];
     config.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
     config.cache_tokens = 512;
@@ -253,7 +226,7 @@ async fn a_started_node_serves_metrics_on_its_metrics_listen_address() {
 #[tokio::test]
 async fn a_taken_metrics_port_fails_at_start_naming_the_flag() {
     let taken = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let mut config = NodeConfig::new(stories(), BlockRange::new(0, 5));
+    let mut config = NodeConfig::new(common::stories(), BlockRange::new(0, 5));
     config.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()];
     config.metrics_listen = Some(taken.local_addr().unwrap());
     let err = Node::start(config).await.err().expect("start must fail");

@@ -53,34 +53,26 @@ pub fn bin(name: &str) -> PathBuf {
     path
 }
 
-/// The shared model directory: `$PETAL_MODELS`, else `../shared/models` beside the checkout.
-pub fn models_dir() -> PathBuf {
-    let dir = match std::env::var_os("PETAL_MODELS") {
-        Some(d) => PathBuf::from(d),
-        None => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/models")),
-    };
-    assert!(
-        dir.join("stories260K").is_dir(),
-        "model directory {} not found: the shared models (stories260K, smollm2-135m-instruct) must sit in \
-         ../shared/models beside the checkout, or set PETAL_MODELS",
-        dir.display()
-    );
-    dir.canonicalize().unwrap_or(dir)
+/// A shared model file, found by the project's one lookup (`$PETAL_MODELS`, else `../shared/models`).
+pub fn shared_model(relative: &str) -> PathBuf {
+    let path = petal_model::models_dir::find_model(relative)
+        .unwrap_or_else(|| panic!("{}", petal_model::models_dir::missing_model(relative)));
+    path.canonicalize().unwrap_or(path)
 }
 
 /// stories260K in llama2.c format (5 blocks).
 pub fn stories_bin() -> PathBuf {
-    models_dir().join("stories260K/stories260K.bin")
+    shared_model("stories260K/stories260K.bin")
 }
 
 /// stories260K in Hugging Face layout (5 blocks).
 pub fn stories_hf() -> PathBuf {
-    models_dir().join("stories260K/hf")
+    shared_model("stories260K/hf")
 }
 
 /// SmolLM2-135M-Instruct, Q4_1 GGUF (30 blocks).
 pub fn smollm_gguf() -> PathBuf {
-    models_dir().join("smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
+    shared_model(petal_model::models_dir::DEFAULT_MODEL)
 }
 
 fn path_str(p: &Path) -> String {

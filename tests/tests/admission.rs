@@ -1,18 +1,18 @@
 //! Admission control across real processes: a node whose `--cache-tokens` holds two sessions refuses a third with
 //! the typed cache-full error, the client routes it to a replica when one exists, and once a session ends a new one
 //! is admitted again.
-use petal_client::{ClientError, InferenceSession, SessionConfig, SwarmClient};
+use petal_client::{ChainConfig, ChainSession, ClientError, SwarmClient};
 use petal_proto::pb::ErrorCode;
 use petal_tests::*;
 use std::time::Duration;
 
 const MAX_LENGTH: usize = 32;
 
-fn config() -> SessionConfig {
-    SessionConfig {
+fn config() -> ChainConfig {
+    ChainConfig {
         discovery_timeout: Duration::from_secs(5),
         max_failovers: 0,
-        ..SessionConfig::default()
+        ..ChainConfig::default()
     }
 }
 
@@ -30,13 +30,13 @@ fn third_session_is_refused_then_served_by_a_replica_then_admitted_again() {
         let client = SwarmClient::connect(vec![bootstrap.clone()])
             .await
             .expect("client");
-        let a = InferenceSession::open(&client, &model_id, 5, MAX_LENGTH, config())
+        let a = ChainSession::open(&client, &model_id, 5, MAX_LENGTH, config())
             .await
             .expect("first session");
-        let _b = InferenceSession::open(&client, &model_id, 5, MAX_LENGTH, config())
+        let _b = ChainSession::open(&client, &model_id, 5, MAX_LENGTH, config())
             .await
             .expect("second session");
-        match InferenceSession::open(&client, &model_id, 5, MAX_LENGTH, config()).await {
+        match ChainSession::open(&client, &model_id, 5, MAX_LENGTH, config()).await {
             Err(ClientError::Server { code, message, .. }) => {
                 assert_eq!(code, ErrorCode::CacheFull, "{message}");
                 eprintln!("third session refused: {message}");
@@ -50,7 +50,7 @@ fn third_session_is_refused_then_served_by_a_replica_then_admitted_again() {
         let fresh = SwarmClient::connect(vec![bootstrap.clone()])
             .await
             .expect("client");
-        let c = InferenceSession::open(&fresh, &model_id, 5, MAX_LENGTH, config()).await;
+        let c = ChainSession::open(&fresh, &model_id, 5, MAX_LENGTH, config()).await;
         assert!(
             c.is_ok(),
             "after a close a new session must fit: {:?}",
@@ -62,13 +62,13 @@ fn third_session_is_refused_then_served_by_a_replica_then_admitted_again() {
     swarm.add_node(&model, "0..5", &["--cache-tokens", "64"]);
     rt.block_on(async {
         let client = SwarmClient::connect(vec![bootstrap]).await.expect("client");
-        let with_retry = SessionConfig {
+        let with_retry = ChainConfig {
             max_failovers: 3,
             ..config()
         };
         let mut sessions = vec![];
         for i in 0..4 {
-            let s = InferenceSession::open(&client, &model_id, 5, MAX_LENGTH, with_retry.clone())
+            let s = ChainSession::open(&client, &model_id, 5, MAX_LENGTH, with_retry.clone())
                 .await
                 .unwrap_or_else(|e| panic!("session {i} with a replica: {e}"));
             sessions.push(s);

@@ -43,7 +43,7 @@ fn bad_startup_is_a_clear_error() {
     let gguf = gguf.to_str().unwrap();
     serve_fails(&["--model", gguf, "--blocks", "10..40"], &["30 blocks"]);
     serve_fails(&["--model", gguf, "--blocks", "3..3"], &["empty"]);
-    let missing = models_dir().join("no-such-model.gguf");
+    let missing = smollm_gguf().with_file_name("no-such-model.gguf");
     let missing = missing.to_str().unwrap();
     serve_fails(&["--model", missing, "--blocks", "0..2"], &[missing]);
     serve_fails(
@@ -58,4 +58,35 @@ fn bad_startup_is_a_clear_error() {
 #[should_panic(expected = "the model has 30 blocks")]
 fn swarm_fixture_reports_a_node_that_fails_to_start() {
     let _swarm = Swarm::builder().node(smollm_gguf(), "25..31").start();
+}
+
+#[test]
+fn negative_durations_are_refused_by_every_binary() {
+    let cases: [(&str, &[&str]); 3] = [
+        ("petal", &["swarm", "--bootstrap", LISTEN, "--timeout=-1"]),
+        ("petal-node", &["bootstrap", "--record-ttl=-5"]),
+        (
+            "petal-node",
+            &[
+                "serve",
+                "--model",
+                "m",
+                "--blocks",
+                "0..1",
+                "--drain-timeout=NaN",
+            ],
+        ),
+    ];
+    for (binary, args) in cases {
+        let mut cmd = Command::new(bin(binary));
+        cmd.args(args);
+        let out = run_with_timeout(cmd, Duration::from_secs(30));
+        eprintln!("{binary} {args:?}\n{out}\n");
+        assert!(!out.success() && !out.timed_out(), "{out}");
+        assert!(!out.stderr.contains("panicked"), "panicked\n{out}");
+        assert!(
+            out.stderr.contains("non-negative number of seconds"),
+            "names the problem\n{out}"
+        );
+    }
 }

@@ -1,0 +1,182 @@
+//! `petal-node`: serve a span of blocks, run a bootstrap peer, or make an identity.
+use clap::{Args, Parser, Subcommand};
+use petal_cli::app::{self, shutdown_signal, CommonArgs};
+use petal_cli::seconds::{positive_seconds, seconds};
+use petal_model::compute::placement::{parse_dtype, DeviceSpec};
+use petal_model::BlockRange;
+use petal_node::{devices, Node, NodeConfig};
+use petal_p2p::{Keypair, Multiaddr};
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(
+    name = "petal-node",
+    version,
+    about = "Serve transformer blocks to a Petal swarm"
+)]
+struct Cli {
+    #[command(flatten)]
+    common: CommonArgs,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve blocks A..B of a model.
+    Serve(Box<ServeArgs>),
+    /// Run a bootstrap peer: a DHT entry point that serves no blocks.
+    Bootstrap(BootstrapArgs),
+    /// Create a node identity (an ed25519 key) and print its peer id.
+    Identity {
+        /// File to write the new key to (refuses to overwrite).
+        #[arg(long = "new", value_name = "FILE")]
+        new: PathBuf,
+    },
+}
+
+#[derive(Args)]
+struct NetArgs {
+    /// Address to listen on (repeatable), e.g. /ip4/0.0.0.0/tcp/31337 or /ip4/0.0.0.0/udp/31337/quic-v1.
+    #[arg(long, default_values = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"])]
+    listen: Vec<Multiaddr>,
+    /// Key file from `petal-node identity --new` (a fresh identity when absent).
+    #[arg(long)]
+    identity: Option<PathBuf>,
+    /// How long DHT records live without a refresh (a killed node disappears within this).
+    #[arg(long, default_value = "60", value_parser = positive_seconds)]
+    record_ttl: Duration,
+}
+
+impl NetArgs {
+    fn keypair(&self) -> anyhow::Result<Keypair> {
+        Ok(match &self.identity {
+            Some(path) => petal_p2p::load_from_file(path)?,
+            None => Keypair::generate_ed25519(),
+        })
+    }
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// Model: a Hugging Face directory, a .gguf file or a llama2.c .bin. Only the served blocks are read.
+    #[arg(long)]
+    model: PathBuf,
+    /// Blocks to serve, START..END (end exclusive), e.g. 10..20.
+    #[arg(long)]
+    blocks: BlockRange,
+    /// Device for every block: cpu, cuda:N, metal:N or auto.
+    #[arg(long, default_value = "cpu", conflicts_with = "devices")]
+    device: String,
+    /// Several devices to split the span across, e.g. cuda:0,cuda:1 or cpu,cuda:0.
+    #[arg(long)]
+    devices: Option<String>,
+    /// Blocks per device with --devices, e.g. 6,4 (default: in proportion to free memory).
+    #[arg(long, value_delimiter = ',', requires = "devices")]
+    split: Option<Vec<usize>>,
+    /// Compute dtype: f32, f16 or bf16 (default f32; GGUF weights stay quantized only in f32).
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Bootstrap peer(s), with /p2p/<peer id>.
+    #[arg(long)]
+    bootstrap: Vec<Multiaddr>,
+    /// A name shown in `petal swarm` and routes.
+    #[arg(long, default_value = "")]
+    public_name: String,
+    /// KV cache budget, in token positions summed over all sessions.
+    #[arg(long, default_value_t = 16384)]
+    cache_tokens: usize,
+    /// Most sessions open at once.
+    #[arg(long, default_value_t = 64)]
+    max_sessions: usize,
+    /// Seconds a session may sit idle before it is evicted.
+    #[arg(long, default_value = "300", value_parser = positive_seconds)]
+    session_timeout: Duration,
+    /// Seconds running sessions get to finish after SIGTERM.
+    #[arg(long, default_value = "10", value_parser = seconds)]
+    drain_timeout: Duration,
+    /// Serve Prometheus metrics on http://ADDR/metrics, e.g. 127.0.0.1:9100 (off by default).
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<std::net::SocketAddr>,
+    #[command(flatten)]
+    net: NetArgs,
+}
+
+#[derive(Args)]
+struct BootstrapArgs {
+    #[command(flatten)]
+    net: NetArgs,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    app::run(&cli.common, "info", async {
+        match cli.command {
+            Command::Serve(args) => serve(*args).await,
+            Command::Bootstrap(args) => bootstrap(args).await,
+            Command::Identity { new } => {
+                let peer = petal_p2p::generate_to_file(&new)?;
+                println!("{peer}");
+                Ok(())
+            }
+        }
+    })
+}
+
+/// Prints each listen address on its own line, so scripts and tests can pick them up.
+fn announce_addrs(addrs: &[Multiaddr]) {
+    let mut out = std::io::stdout().lock();
+    for a in addrs {
+        let _ = writeln!(out, "listening on {a}");
+    }
+    let _ = out.flush();
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let mut config = NodeConfig::new(args.model, args.blocks);
+    config.devices = match &args.devices {
+        Some(list) => devices::parse_devices(list)?,
+        None => vec![DeviceSpec::parse(&args.device)?],
+    };
+    config.split = args.split;
+    config.dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
+    config.keypair = args.net.keypair()?;
+    config.listen = args.net.listen.clone();
+    config.bootstrap = args.bootstrap;
+    config.public_name = args.public_name;
+    config.cache_tokens = args.cache_tokens;
+    config.max_sessions = args.max_sessions;
+    config.session_timeout = args.session_timeout;
+    config.record_ttl = args.net.record_ttl;
+    config.metrics_listen = args.metrics_listen;
+    let node = Node::start(config).await?;
+    announce_addrs(node.listen_addrs());
+    if let Some(addr) = node.metrics_addr() {
+        println!("metrics on http://{addr}/metrics");
+    }
+    println!(
+        "serving blocks {} of model {}",
+        args.blocks,
+        node.model_id()
+    );
+    let _ = std::io::stdout().flush();
+    shutdown_signal().await?;
+    node.shutdown(args.drain_timeout).await;
+    Ok(())
+}
+
+async fn bootstrap(args: BootstrapArgs) -> anyhow::Result<()> {
+    let net = petal_node::start_bootstrap(
+        args.net.keypair()?,
+        args.net.listen.clone(),
+        args.net.record_ttl,
+    )
+    .await?;
+    announce_addrs(&net.listen_addrs().await);
+    shutdown_signal().await?;
+    net.shutdown().await;
+    Ok(())
+}

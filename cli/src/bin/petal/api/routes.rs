@@ -1,0 +1,156 @@
+//! The endpoints and the server's state; non-streamed answers (streamed ones: [`super::stream`], request
+//! validation: [`super::jobs`]).
+use super::jobs::{chat_job, completion_job, Endpoint, Job};
+use super::state::{AbortOnDrop, AppState};
+use super::stream;
+use super::types::*;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/models", get(list_models))
+        .route("/v1/models/{id}", get(get_model))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .fallback(|| async {
+            ApiError::invalid(None, "Unknown endpoint")
+                .with_status(StatusCode::NOT_FOUND)
+                .with_code("unknown_url")
+        })
+        .method_not_allowed_fallback(|| async {
+            ApiError::invalid(None, "Method not allowed on this endpoint")
+                .with_status(StatusCode::METHOD_NOT_ALLOWED)
+        })
+        .with_state(state)
+}
+
+fn model_object(state: &AppState) -> Value {
+    json!({"id": state.name, "object": "model", "created": state.created, "owned_by": "petal"})
+}
+
+async fn list_models(State(state): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [model_object(&state)]}))
+}
+
+async fn get_model(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    state.check_model(&id)?;
+    Ok(Json(model_object(&state)))
+}
+
+impl AppState {
+    pub fn check_model(&self, asked: &str) -> Result<(), ApiError> {
+        if asked == self.name || asked == self.model_id {
+            Ok(())
+        } else {
+            Err(ApiError::unknown_model(asked, &self.name))
+        }
+    }
+}
+
+async fn completions(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let job = body_bytes(body)
+        .and_then(|b| parse_json(&b))
+        .and_then(|v| completion_job(&state, parse_fields(&v)?, &parse_fields(&v)?));
+    match job {
+        Ok(job) => run(state, job).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let job = body_bytes(body)
+        .and_then(|b| parse_json(&b))
+        .and_then(|v| chat_job(&state, parse_fields(&v)?, &parse_fields(&v)?));
+    match job {
+        Ok(job) => run(state, job).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|e| ApiError::invalid(None, e.body_text()).with_status(e.status()))
+}
+
+/// Opens the session (so that a swarm failure is a proper 503 even for a stream), then generates in a task of its
+/// own.
+async fn run(state: Arc<AppState>, job: Job) -> Response {
+    let permit = match state.permits.clone().acquire_owned().await {
+        Ok(p) => p,
+        Err(_) => return ApiError::internal("the server is shutting down").into_response(),
+    };
+    let max_length =
+        (job.prompt.len() + job.config.max_new_tokens).min(state.generator.max_position());
+    let session = match state.generator.open_session(max_length).await {
+        Ok(s) => s,
+        Err(e) => return ApiError::from_client(&e).into_response(),
+    };
+    tracing::debug!(id = %job.id, prompt_tokens = job.prompt.len(), max_tokens = job.config.max_new_tokens, stream = job.stream, "generating");
+    if job.stream {
+        return stream::respond(state, job, session, permit);
+    }
+    let task_state = state.clone();
+    let prompt = job.prompt.clone();
+    let config = job.config.clone();
+    let mut task = AbortOnDrop(tokio::spawn(async move {
+        let _permit = permit;
+        let mut session = session;
+        let result = task_state
+            .generator
+            .continue_in(
+                &mut session,
+                &task_state.tokenizer,
+                &prompt,
+                &config,
+                |_| true,
+            )
+            .await;
+        session.close().await;
+        result
+    }));
+    let completion = match (&mut task.0).await {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => return ApiError::from_client(&e).into_response(),
+        Err(e) => {
+            return ApiError::internal(format!("generation task failed: {e}")).into_response()
+        }
+    };
+    let usage = Usage::new(job.prompt.len(), completion.sampled.len());
+    let reason = finish_reason(completion.output.finish_reason);
+    let text = completion.output.text;
+    let body = match job.endpoint {
+        Endpoint::Completions => json!({
+            "id": job.id, "object": "text_completion", "created": job.created, "model": state.name,
+            "choices": [{"text": text, "index": 0, "logprobs": null, "finish_reason": reason}],
+            "usage": usage,
+        }),
+        Endpoint::Chat => json!({
+            "id": job.id, "object": "chat.completion", "created": job.created, "model": state.name,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": null,
+                "finish_reason": reason,
+            }],
+            "usage": usage,
+        }),
+    };
+    Json(body).into_response()
+}

@@ -1,0 +1,78 @@
+//! The model options of `petal generate`, `petal chat` and `petal api`, and loading a [`Generator`] from them: the
+//! whole model in this process (`--local`) or its head here and the blocks through the swarm.
+use anyhow::Context;
+use clap::Args;
+use libp2p::Multiaddr;
+use petal_cli::seconds::positive_seconds;
+use petal_client::{ChainConfig, Generator, SwarmClient};
+use petal_model::compute::placement::parse_dtype;
+use petal_model::{DeviceSpec, ModelSource, Placement, Tokenizer};
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Model: a Hugging Face directory, a .gguf file or a llama2.c .bin. In swarm mode only its config, tokenizer,
+    /// embeddings and LM head are read.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Tokenizer file overriding the one found with the model (tokenizer.json, llama2.c .bin or .gguf).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Run every block in this process instead of through the swarm.
+    #[arg(long)]
+    pub local: bool,
+    /// Bootstrap peer(s) of the swarm, with /p2p/<peer id> (swarm mode).
+    #[arg(long)]
+    pub bootstrap: Vec<Multiaddr>,
+    /// Device for what runs here (the head; with --local, every block).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Compute dtype for what runs here (with --local, GGUF blocks keep their quantized weights in f32; f16/bf16
+    /// dequantize them).
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Seconds to wait for the swarm to show servers covering the model.
+    #[arg(long, default_value = "20", value_parser = positive_seconds)]
+    pub discovery_timeout: Duration,
+}
+
+/// A loaded model: the generator, its tokenizer, and the swarm membership to shut down at the end.
+pub struct Loaded {
+    pub generator: Generator,
+    pub tokenizer: Tokenizer,
+    pub client: Option<SwarmClient>,
+}
+
+impl ModelArgs {
+    pub async fn load(&self) -> anyhow::Result<Loaded> {
+        let device = DeviceSpec::parse(&self.device)?.open()?;
+        let placement = Placement::new(device, parse_dtype(&self.dtype)?);
+        let source = ModelSource::open(&self.model)
+            .with_context(|| format!("opening the model {}", self.model.display()))?;
+        let tokenizer = source.tokenizer(self.tokenizer.as_deref())?;
+        if self.local {
+            return Ok(Loaded {
+                generator: Generator::local(&source, placement)?,
+                tokenizer,
+                client: None,
+            });
+        }
+        anyhow::ensure!(
+            !self.bootstrap.is_empty(),
+            "swarm mode needs --bootstrap MULTIADDR (or use --local)"
+        );
+        let client = SwarmClient::connect(self.bootstrap.clone())
+            .await
+            .context("joining the swarm")?;
+        let config = ChainConfig {
+            discovery_timeout: self.discovery_timeout,
+            ..ChainConfig::default()
+        };
+        Ok(Loaded {
+            generator: Generator::remote(&client, &source, placement, config)?,
+            tokenizer,
+            client: Some(client),
+        })
+    }
+}

@@ -1,0 +1,78 @@
+//! `petal generate`: one prompt, through the swarm or (--local) through the whole model in this process.
+use crate::args::SamplingArgs;
+use crate::backend::ModelArgs;
+use clap::Args;
+use petal_model::text::prompt::encode_prompt;
+use petal_model::GenerationOutput;
+use std::io::Write;
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[arg(long)]
+    pub prompt: String,
+    /// Render the prompt as a user message through the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// System message for --chat (default: an empty one, so the template adds no persona of its own).
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Print one JSON object (prompt_tokens, tokens, text, tokens_per_second, ...) instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+}
+
+pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    let config = args.sampling.config()?;
+    let loaded = args.model.load().await?;
+    let tokenizer = &loaded.tokenizer;
+    let prompt = encode_prompt(tokenizer, &args.prompt, args.chat, args.system.as_deref())?;
+    let stream = !args.json;
+    let completion = loaded
+        .generator
+        .generate(tokenizer, &prompt, &config, |piece| {
+            if stream && !piece.is_empty() {
+                print!("{piece}");
+                let _ = std::io::stdout().flush();
+            }
+            true
+        })
+        .await;
+    if let Some(client) = &loaded.client {
+        client.shutdown().await;
+    }
+    let completion = completion?;
+    let route = (!loaded.generator.is_local()).then_some(completion.cost.route);
+    print_output(&completion.output, route, args.json)
+}
+
+fn print_output(
+    output: &GenerationOutput,
+    route: Option<Vec<String>>,
+    json: bool,
+) -> anyhow::Result<()> {
+    if json {
+        let mut v = serde_json::to_value(output)?;
+        if let (Some(route), Some(obj)) = (route, v.as_object_mut()) {
+            obj.insert("route".into(), serde_json::json!(route));
+        }
+        println!("{v}");
+    } else {
+        println!();
+        if let Some(route) = route {
+            eprintln!("route: {}", route.join(" -> "));
+        }
+        eprintln!(
+            "{} prompt tokens, {} generated ({:?}), {:.1} tokens/s, first token {:.0} ms",
+            output.prompt_tokens,
+            output.tokens.len(),
+            output.finish_reason,
+            output.tokens_per_second,
+            output.first_token_ms
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,95 @@
+//! `petal swarm`: which peer serves which blocks of which model.
+use clap::Args;
+use libp2p::Multiaddr;
+use petal_client::SwarmClient;
+use petal_proto::pb;
+use std::time::Duration;
+
+#[derive(Args, Debug)]
+pub struct SwarmArgs {
+    /// Bootstrap peer(s), with /p2p/<peer id>.
+    #[arg(long, required = true)]
+    pub bootstrap: Vec<Multiaddr>,
+    /// Only this model id.
+    #[arg(long)]
+    pub model_id: Option<String>,
+    /// Print JSON (one array of server records) instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Seconds to spend looking.
+    #[arg(long, default_value = "5", value_parser = petal_cli::seconds::positive_seconds)]
+    pub timeout: Duration,
+}
+
+pub async fn run(args: SwarmArgs) -> anyhow::Result<()> {
+    let client = SwarmClient::connect(args.bootstrap).await?;
+    let mut servers = client
+        .find_servers(args.model_id.as_deref(), args.timeout)
+        .await?;
+    client.shutdown().await;
+    servers.sort_by(|a, b| {
+        (&a.model_id, a.start_block, &a.peer_id).cmp(&(&b.model_id, b.start_block, &b.peer_id))
+    });
+    if args.json {
+        let rows: Vec<_> = servers.iter().map(record_json).collect();
+        println!("{}", serde_json::Value::Array(rows));
+        return Ok(());
+    }
+    if servers.is_empty() {
+        println!("no live servers found");
+        return Ok(());
+    }
+    println!(
+        "{:<40} {:<54} {:<10} {:>7} {:<5} {:<22} {:>9} {:>11}",
+        "MODEL", "PEER", "NAME", "BLOCKS", "DTYPE", "DEVICES", "TOKENS/S", "FREE CACHE"
+    );
+    for s in &servers {
+        let devices: Vec<String> = s
+            .devices
+            .iter()
+            .map(|d| format!("{}[{}..{}]", d.device, d.start_block, d.end_block))
+            .collect();
+        println!(
+            "{:<40} {:<54} {:<10} {:>7} {:<5} {:<22} {:>9.1} {:>11}",
+            s.model_id,
+            s.peer_id,
+            s.public_name,
+            format!("{}..{}", s.start_block, s.end_block),
+            dtype_name(s.dtype),
+            devices.join(","),
+            s.throughput_tokens_per_sec,
+            s.cache_tokens_free
+        );
+    }
+    Ok(())
+}
+
+fn dtype_name(d: i32) -> &'static str {
+    pb::WireDType::try_from(d).map(|d| d.name()).unwrap_or("?")
+}
+
+fn record_json(s: &pb::ServerRecord) -> serde_json::Value {
+    serde_json::json!({
+        "model_id": s.model_id,
+        "model_name": s.model_name,
+        "num_blocks": s.num_blocks,
+        "peer_id": s.peer_id,
+        "public_name": s.public_name,
+        "addrs": s.addrs,
+        "start_block": s.start_block,
+        "end_block": s.end_block,
+        "dtype": dtype_name(s.dtype),
+        "quantization": s.quantization,
+        "throughput_tokens_per_sec": s.throughput_tokens_per_sec,
+        "cache_tokens_free": s.cache_tokens_free,
+        "cache_tokens_total": s.cache_tokens_total,
+        "sessions_open": s.sessions_open,
+        "devices": s.devices.iter().map(|d| serde_json::json!({
+            "device": d.device, "start_block": d.start_block, "end_block": d.end_block,
+            "free_memory_bytes": d.free_memory_bytes, "total_memory_bytes": d.total_memory_bytes,
+        })).collect::<Vec<_>>(),
+        "petal_version": s.petal_version,
+        "updated_unix_ms": s.updated_unix_ms,
+        "ttl_ms": s.ttl_ms,
+    })
+}

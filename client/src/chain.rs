@@ -1,0 +1,274 @@
+//! A session over a chain of servers: one [`HopClient`] per hop, hidden states streamed through them in order.
+//! The chain keeps each hop's inputs, so when a server fails it bans it, plans a replacement chain for its blocks,
+//! replays those inputs to rebuild the KV caches there, and carries on: the output is the same as an undisturbed
+//! run's.
+use crate::error::{ClientError, Result};
+use crate::hop::HopClient;
+use crate::swarm::SwarmClient;
+use candle_core::Tensor;
+use petal_model::compute::wire::from_wire;
+use petal_model::BlockRange;
+use petal_proto::pb;
+use std::time::{Duration, Instant};
+
+/// Timeouts and retry limits of a chain session.
+#[derive(Debug, Clone)]
+pub struct ChainConfig {
+    /// Time a server gets to answer one request.
+    pub step_timeout: Duration,
+    /// Time to find servers covering a range (at open, and for a replacement).
+    pub discovery_timeout: Duration,
+    /// Replacements one step may go through before giving up.
+    pub max_failovers: usize,
+}
+
+impl Default for ChainConfig {
+    fn default() -> Self {
+        Self {
+            step_timeout: Duration::from_secs(30),
+            discovery_timeout: Duration::from_secs(20),
+            max_failovers: 5,
+        }
+    }
+}
+
+/// A server replaced mid-session.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Failover {
+    pub failed_peer: String,
+    pub range: BlockRange,
+    pub reason: String,
+    /// Steps replayed onto the replacement chain.
+    pub replayed_steps: usize,
+    /// Time from the failure to the replacement being ready (discovery, opening, replay).
+    #[serde(serialize_with = "crate::serde_ms")]
+    pub elapsed: Duration,
+}
+
+/// One link of an open chain: the hop's client and every input sent to it, in wire form, so a replacement server
+/// can be rebuilt by replay.
+struct ChainLink {
+    hop: HopClient,
+    history: Vec<(u32, pb::Tensor)>,
+}
+
+/// What one step through the chain cost at each hop.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct HopTiming {
+    /// Client-side time from sending the step to decoding the answer.
+    #[serde(serialize_with = "crate::serde_ms")]
+    pub round_trip: Duration,
+    /// The server's compute time for the step, as it reports it.
+    #[serde(serialize_with = "crate::serde_ms")]
+    pub compute: Duration,
+}
+
+/// Hidden states through a chain of servers, position by position.
+pub struct ChainSession {
+    client: SwarmClient,
+    model_id: String,
+    links: Vec<ChainLink>,
+    position: usize,
+    max_length: usize,
+    config: ChainConfig,
+    failovers: Vec<Failover>,
+}
+
+impl ChainSession {
+    /// Plans a chain covering blocks `0..num_blocks` and opens a session on every hop, each able to hold
+    /// `max_length` positions. A server that refuses (busy, cache full) or fails is banned and routed around.
+    pub async fn open(
+        client: &SwarmClient,
+        model_id: &str,
+        num_blocks: usize,
+        max_length: usize,
+        config: ChainConfig,
+    ) -> Result<Self> {
+        let mut session = Self {
+            client: client.clone(),
+            model_id: model_id.to_string(),
+            links: vec![],
+            position: 0,
+            max_length,
+            config,
+            failovers: vec![],
+        };
+        session.links = session.open_chain(BlockRange::new(0, num_blocks)).await?;
+        tracing::info!(route = %session.route().join(" -> "), "session opened");
+        Ok(session)
+    }
+
+    /// Opens sessions on a freshly planned chain over `range`, routing around servers that refuse.
+    ///
+    /// The future borrows nothing from the session: a `ChainSession` is `Send` but not `Sync` (libp2p streams are
+    /// not), and a future holding `&self` across an await would make `step` unusable in spawned tasks.
+    fn open_chain(
+        &self,
+        range: BlockRange,
+    ) -> impl std::future::Future<Output = Result<Vec<ChainLink>>> + Send + 'static {
+        let client = self.client.clone();
+        let model_id = self.model_id.clone();
+        let max_length = self.max_length;
+        let config = self.config.clone();
+        async move {
+            let net = client.network();
+            let mut attempts = 0;
+            'plan: loop {
+                let route = client
+                    .plan(&model_id, range, config.discovery_timeout)
+                    .await?;
+                let mut links = Vec::with_capacity(route.len());
+                for hop in route {
+                    let peer = hop.record.peer_id.clone();
+                    match HopClient::open(net, &model_id, hop, max_length, config.step_timeout)
+                        .await
+                    {
+                        Ok(hop) => links.push(ChainLink {
+                            hop,
+                            history: vec![],
+                        }),
+                        Err(e) if e.is_retryable() && attempts < config.max_failovers => {
+                            tracing::warn!(%peer, error = %e, "server refused or failed to open a session; routing around it");
+                            client.ban(&peer);
+                            attempts += 1;
+                            continue 'plan;
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                return Ok(links);
+            }
+        }
+    }
+
+    pub fn position(&self) -> usize {
+        self.position
+    }
+
+    pub fn max_length(&self) -> usize {
+        self.max_length
+    }
+
+    /// `name(peer)[a..b]` for each hop, in order.
+    pub fn route(&self) -> Vec<String> {
+        self.links.iter().map(|l| l.hop.hop().describe()).collect()
+    }
+
+    /// Servers replaced so far.
+    pub fn failovers(&self) -> &[Failover] {
+        &self.failovers
+    }
+
+    /// Bytes sent and received on all hops' streams so far.
+    pub fn bytes_on_wire(&self) -> u64 {
+        self.links.iter().map(|l| l.hop.bytes_on_wire()).sum()
+    }
+
+    /// Runs `hidden` (`[batch, tokens, hidden]`) for the next positions through every hop and returns the last
+    /// hop's output with each hop's timing, replacing failed servers on the way.
+    pub async fn step(&mut self, hidden: &Tensor) -> Result<(Tensor, Vec<HopTiming>)> {
+        let tokens = hidden.dim(1).map_err(petal_model::ModelError::from)?;
+        let mut x = hidden.clone();
+        let mut timings = Vec::with_capacity(self.links.len());
+        let mut hop = 0;
+        let mut failovers = 0;
+        while hop < self.links.len() {
+            let link = &mut self.links[hop];
+            match link
+                .hop
+                .step(&x, self.position, self.config.step_timeout)
+                .await
+            {
+                Ok(out) => {
+                    link.history.push((self.position as u32, out.sent));
+                    timings.push(HopTiming {
+                        round_trip: out.round_trip,
+                        compute: out.compute,
+                    });
+                    x = out.hidden;
+                    hop += 1;
+                }
+                Err(e) if e.is_retryable() && failovers < self.config.max_failovers => {
+                    failovers += 1;
+                    self.replace(hop, e).await?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.position += tokens;
+        Ok((x, timings))
+    }
+
+    /// Replaces hop `i` by a new chain over its blocks and replays its history there.
+    async fn replace(&mut self, i: usize, cause: ClientError) -> Result<()> {
+        let started = Instant::now();
+        let failed = self.links.remove(i);
+        let failed_hop = failed.hop.hop().clone();
+        let range = failed_hop.range;
+        tracing::warn!(peer = %failed_hop.peer_id(), %range, error = %cause, "server failed; replacing it");
+        self.client.ban(failed_hop.peer_id());
+        let mut attempts = 0;
+        loop {
+            let mut fresh = self.open_chain(range).await?;
+            match replay(&mut fresh, &failed.history, self.config.step_timeout).await {
+                Ok(()) => {
+                    self.failovers.push(Failover {
+                        failed_peer: failed_hop.peer_id().to_string(),
+                        range,
+                        reason: cause.to_string(),
+                        replayed_steps: failed.history.len(),
+                        elapsed: started.elapsed(),
+                    });
+                    tracing::info!(%range, replayed = failed.history.len(), elapsed_ms = started.elapsed().as_millis() as u64, "replacement ready");
+                    self.links.splice(i..i, fresh);
+                    return Ok(());
+                }
+                Err((hop, e)) if e.is_retryable() && attempts < self.config.max_failovers => {
+                    self.client.ban(fresh[hop].hop.hop().peer_id());
+                    attempts += 1;
+                }
+                Err((_, e)) => return Err(e),
+            }
+        }
+    }
+
+    /// Closes every hop's session (best effort: servers also free sessions when the stream ends).
+    pub async fn close(self) {
+        for link in self.links {
+            link.hop.close(self.config.step_timeout).await;
+        }
+    }
+}
+
+/// Sends a failed hop's recorded inputs, step by step as they were first sent (the same chunking gives the same
+/// numerics), through a replacement chain, whose links record them in turn. On error, says which link failed.
+async fn replay(
+    chain: &mut [ChainLink],
+    history: &[(u32, pb::Tensor)],
+    timeout: Duration,
+) -> std::result::Result<(), (usize, ClientError)> {
+    for (position, input) in history {
+        let local = |e: String| {
+            (
+                0,
+                ClientError::Protocol {
+                    peer: "self".into(),
+                    reason: e,
+                },
+            )
+        };
+        let (dtype, shape) =
+            petal_proto::tensor::validate(input, usize::MAX).map_err(|e| local(e.to_string()))?;
+        let mut x = from_wire(input, dtype, &shape).map_err(|e| local(e.to_string()))?;
+        for (i, link) in chain.iter_mut().enumerate() {
+            let out = link
+                .hop
+                .step(&x, *position as usize, timeout)
+                .await
+                .map_err(|e| (i, e))?;
+            link.history.push((*position, out.sent));
+            x = out.hidden;
+        }
+    }
+    Ok(())
+}

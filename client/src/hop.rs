@@ -1,0 +1,201 @@
+//! The client side of the per-hop protocol: one libp2p stream to one server, one server-side session on it.
+//! [`HopClient`] opens the session, sends steps and closes; it knows nothing of chains, history or failover
+//! (that is [`crate::chain`]), so the session and the bench speak the protocol through the same code.
+use crate::error::{ClientError, Result};
+use crate::router::Hop;
+use candle_core::Tensor;
+use petal_model::compute::wire::{from_wire, to_wire};
+use petal_p2p::{Network, PeerId, Stream};
+use petal_proto::pb::{self, request, response};
+use petal_proto::{FramedStream, DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION};
+use std::time::{Duration, Instant};
+use tracing::Instrument;
+
+/// One server's open session.
+pub struct HopClient {
+    hop: Hop,
+    stream: FramedStream<Stream>,
+    session_id: u64,
+    /// The dtype the server wants hidden states in (its span's input dtype).
+    dtype: pb::WireDType,
+}
+
+/// What one step through a hop returned.
+#[derive(Debug, Clone)]
+pub struct HopStep {
+    /// The hop's output hidden states, `[batch, tokens, hidden]` like its input.
+    pub hidden: Tensor,
+    /// The input as sent (in the server's wire dtype): what a replacement server is replayed.
+    pub sent: pb::Tensor,
+    /// Time from sending the step to decoding its answer.
+    pub round_trip: Duration,
+    /// The server's own compute time for the step, as it reports it.
+    pub compute: Duration,
+}
+
+impl HopClient {
+    /// Opens a stream to `hop`'s server and a session there over `hop.range`, able to hold `max_length` positions.
+    pub async fn open(
+        net: &Network,
+        model_id: &str,
+        hop: Hop,
+        max_length: usize,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let peer: PeerId = hop
+            .record
+            .peer_id
+            .parse()
+            .map_err(|_| ClientError::Protocol {
+                peer: hop.record.peer_id.clone(),
+                reason: "record carries an invalid peer id".into(),
+            })?;
+        let stream = tokio::time::timeout(timeout, net.open_stream(peer))
+            .await
+            .map_err(|_| ClientError::Timeout {
+                peer: hop.record.peer_id.clone(),
+                seconds: timeout.as_secs_f64(),
+            })??;
+        let mut client = Self {
+            stream: FramedStream::new(stream, DEFAULT_MAX_FRAME_BYTES),
+            session_id: 0,
+            dtype: pb::WireDType::F32,
+            hop,
+        };
+        let open = request::Kind::Open(pb::OpenSession {
+            protocol_version: PROTOCOL_VERSION,
+            model_id: model_id.to_string(),
+            start_block: client.hop.range.start as u32,
+            end_block: client.hop.range.end as u32,
+            max_length: max_length as u32,
+        });
+        match client.call(open, timeout).await? {
+            response::Kind::Opened(o) => {
+                client.session_id = o.session_id;
+                client.dtype = pb::WireDType::try_from(o.dtype)
+                    .map_err(|_| client.protocol("unknown session dtype"))?;
+                Ok(client)
+            }
+            _ => Err(client.protocol("expected SessionOpened")),
+        }
+    }
+
+    /// The server and the blocks it runs for this session.
+    pub fn hop(&self) -> &Hop {
+        &self.hop
+    }
+
+    /// Bytes sent and received on this hop's stream so far.
+    pub fn bytes_on_wire(&self) -> u64 {
+        self.stream.bytes_sent() + self.stream.bytes_received()
+    }
+
+    /// Runs `hidden` for positions `position..` through the hop's blocks.
+    pub async fn step(
+        &mut self,
+        hidden: &Tensor,
+        position: usize,
+        timeout: Duration,
+    ) -> Result<HopStep> {
+        let sent = to_wire(hidden, self.dtype)?;
+        self.step_wire(sent, position, timeout).await
+    }
+
+    /// [`HopClient::step`] for an input already in wire form (a replay).
+    pub async fn step_wire(
+        &mut self,
+        sent: pb::Tensor,
+        position: usize,
+        timeout: Duration,
+    ) -> Result<HopStep> {
+        let span = tracing::trace_span!("hop_step", blocks = %self.hop.range, position);
+        self.exchange_step(sent, position, timeout)
+            .instrument(span)
+            .await
+    }
+
+    async fn exchange_step(
+        &mut self,
+        sent: pb::Tensor,
+        position: usize,
+        timeout: Duration,
+    ) -> Result<HopStep> {
+        let started = Instant::now();
+        let input_shape: Vec<usize> = sent.shape.iter().map(|&d| d as usize).collect();
+        let step = request::Kind::Step(pb::Step {
+            session_id: self.session_id,
+            position: position as u32,
+            hidden: Some(sent.clone()),
+        });
+        let result = match self.call(step, timeout).await? {
+            response::Kind::Step(s) => s,
+            _ => return Err(self.protocol("expected StepResult")),
+        };
+        let out = result
+            .hidden
+            .ok_or_else(|| self.protocol("StepResult without hidden states"))?;
+        let max = input_shape.iter().product();
+        let (dtype, shape) = petal_proto::tensor::validate(&out, max)
+            .map_err(|e| self.protocol(&format!("bad hidden states: {e}")))?;
+        if shape != input_shape {
+            return Err(self.protocol(&format!(
+                "answered shape {shape:?} for input {input_shape:?}"
+            )));
+        }
+        petal_proto::tensor::check_finite(dtype, &out.data)
+            .map_err(|e| self.protocol(&format!("bad hidden states: {e}")))?;
+        let hidden = from_wire(&out, dtype, &shape)?;
+        Ok(HopStep {
+            hidden,
+            sent,
+            round_trip: started.elapsed(),
+            compute: Duration::from_micros(result.compute_micros),
+        })
+    }
+
+    /// Closes the session (best effort: the server also frees it when the stream ends).
+    pub async fn close(mut self, timeout: Duration) {
+        let close = request::Kind::Close(pb::CloseSession {
+            session_id: self.session_id,
+        });
+        if let Err(e) = self.call(close, timeout).await {
+            tracing::debug!(error = %e, "closing a session failed; the server frees it on disconnect");
+        }
+        self.stream.close().await;
+    }
+
+    fn protocol(&self, reason: &str) -> ClientError {
+        ClientError::Protocol {
+            peer: self.hop.record.peer_id.clone(),
+            reason: reason.to_string(),
+        }
+    }
+
+    /// Sends one request and waits for its response; a server error becomes [`ClientError::Server`].
+    async fn call(&mut self, kind: request::Kind, timeout: Duration) -> Result<response::Kind> {
+        let peer = self.hop.record.peer_id.clone();
+        let exchange = async {
+            self.stream.send(&pb::Request { kind: Some(kind) }).await?;
+            self.stream.recv::<pb::Response>().await
+        };
+        let reply = tokio::time::timeout(timeout, exchange)
+            .await
+            .map_err(|_| ClientError::Timeout {
+                peer: peer.clone(),
+                seconds: timeout.as_secs_f64(),
+            })?
+            .map_err(|e| ClientError::Protocol {
+                peer: peer.clone(),
+                reason: e.to_string(),
+            })?;
+        match reply.and_then(|r| r.kind) {
+            Some(response::Kind::Error(e)) => Err(ClientError::Server {
+                peer,
+                code: pb::ErrorCode::try_from(e.code).unwrap_or(pb::ErrorCode::Unspecified),
+                message: e.message,
+            }),
+            Some(kind) => Ok(kind),
+            None => Err(self.protocol("stream closed or empty response")),
+        }
+    }
+}

@@ -1,0 +1,12 @@
+//! The numeric side of a model: what it is ([`spec`]), where its tensors come from ([`source`], [`weights`]), the
+//! blocks a node serves ([`block`], [`span`]), the client's local parts ([`head`]), where tensors live
+//! ([`placement`]) and how hidden states cross the wire ([`wire`]).
+pub mod block;
+pub mod block_range;
+pub mod head;
+pub mod placement;
+pub mod source;
+pub mod span;
+pub mod spec;
+pub mod weights;
+pub mod wire;

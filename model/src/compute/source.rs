@@ -1,0 +1,325 @@
+//! Opening a model from disk: detect the format, read its description, and hand out spans and heads that read only
+//! their own tensors.
+use crate::compute::block_range::BlockRange;
+use crate::compute::head::Head;
+use crate::compute::placement::Placement;
+use crate::compute::span::BlockSpan;
+use crate::compute::spec::{ModelSpec, RopeStyle};
+use crate::compute::weights::{
+    GgufWeights, Llama2cWeights, LoadLog, SafetensorsWeights, WeightSource,
+};
+use crate::error::{ModelError, Result};
+use crate::text::tokenizer::Tokenizer;
+use candle_core::quantized::gguf_file::Value;
+use candle_core::{DType, Device};
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelFormat {
+    /// A Hugging Face directory (config.json + safetensors), or one .safetensors file inside one.
+    HuggingFace,
+    Gguf,
+    /// Karpathy's llama2.c checkpoint.
+    Llama2c,
+}
+
+/// An opened model: its description, its format and a lazily-read weight source.
+pub struct ModelSource {
+    path: PathBuf,
+    format: ModelFormat,
+    spec: Arc<ModelSpec>,
+    weights: Box<dyn WeightSource>,
+    model_id: OnceLock<String>,
+}
+
+impl std::fmt::Debug for ModelSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelSource")
+            .field("path", &self.path)
+            .field("format", &self.format)
+            .field("spec", &self.spec)
+            .finish()
+    }
+}
+
+impl ModelSource {
+    /// Opens `path`, reading headers and config only; no weights are read until a span or head is loaded.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        if !path.exists() {
+            return Err(ModelError::NotFound(path.to_path_buf()));
+        }
+        let format = detect_format(path)?;
+        let name = model_name(path);
+        let (spec, weights): (ModelSpec, Box<dyn WeightSource>) = match format {
+            ModelFormat::HuggingFace => {
+                let dir = if path.is_dir() {
+                    path.to_path_buf()
+                } else {
+                    path.parent().map(Path::to_path_buf).unwrap_or_default()
+                };
+                let config = dir.join("config.json");
+                let json =
+                    std::fs::read_to_string(&config).map_err(|e| ModelError::io(&config, e))?;
+                let spec = ModelSpec::from_hf_config(&name, &json)?;
+                (spec, Box::new(SafetensorsWeights::open(path)?))
+            }
+            ModelFormat::Gguf => {
+                let w = GgufWeights::open(path)?;
+                (gguf_spec(&name, &w)?, Box::new(w))
+            }
+            ModelFormat::Llama2c => {
+                let w = Llama2cWeights::open(path)?;
+                (w.spec(&name)?, Box::new(w))
+            }
+        };
+        tracing::info!(path = %path.display(), ?format, blocks = spec.num_blocks, "opened model");
+        Ok(Self {
+            path: path.to_path_buf(),
+            format,
+            spec: Arc::new(spec),
+            weights,
+            model_id: OnceLock::new(),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn format(&self) -> ModelFormat {
+        self.format
+    }
+
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    pub fn spec_arc(&self) -> Arc<ModelSpec> {
+        self.spec.clone()
+    }
+
+    pub fn weights(&self) -> &dyn WeightSource {
+        self.weights.as_ref()
+    }
+
+    /// Names and bytes of every tensor loaded so far.
+    pub fn load_log(&self) -> &LoadLog {
+        self.weights.log()
+    }
+
+    pub fn quantization(&self) -> String {
+        self.weights.quantization()
+    }
+
+    /// Fingerprint of the exact weights: `<name>-<32 hex>`, from the description, the tensor index and a sample of
+    /// every tensor. Servers announce spans under it; a client chains only spans of its own id.
+    pub fn model_id(&self) -> Result<String> {
+        if let Some(id) = self.model_id.get() {
+            return Ok(id.clone());
+        }
+        let mut h = Sha256::new();
+        h.update(serde_json::to_vec(&*self.spec).map_err(|e| ModelError::Config(e.to_string()))?);
+        self.weights.fingerprint(&mut h)?;
+        let digest = hex::encode(h.finalize());
+        let name: String = self
+            .spec
+            .name
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '.' || c == '_' {
+                    c
+                } else {
+                    '-'
+                }
+            })
+            .collect();
+        let id = format!("{name}-{}", &digest[..32]);
+        Ok(self.model_id.get_or_init(|| id).clone())
+    }
+
+    /// Loads blocks `range`, block `range.start + i` onto `placements[i]`.
+    pub fn load_span(&self, range: BlockRange, placements: &[Placement]) -> Result<BlockSpan> {
+        range.validate(self.spec.num_blocks)?;
+        BlockSpan::load(self.weights.as_ref(), self.spec.clone(), range, placements)
+    }
+
+    /// [`ModelSource::load_span`], calling `on_block(i)` after each block `i` is loaded (progress bars).
+    pub fn load_span_with_progress(
+        &self,
+        range: BlockRange,
+        placements: &[Placement],
+        on_block: impl FnMut(usize),
+    ) -> Result<BlockSpan> {
+        range.validate(self.spec.num_blocks)?;
+        BlockSpan::load_with_progress(
+            self.weights.as_ref(),
+            self.spec.clone(),
+            range,
+            placements,
+            on_block,
+        )
+    }
+
+    /// Loads blocks `range` all onto one placement.
+    pub fn load_span_on(&self, range: BlockRange, placement: &Placement) -> Result<BlockSpan> {
+        self.load_span(range, &vec![placement.clone(); range.len()])
+    }
+
+    /// The dtype this model's blocks compute in when `asked` for one (`None`: the default). The one place this rule
+    /// lives: GGUF blocks keep their quantized weights (and compute in f32) unless f16/bf16 is asked, which
+    /// dequantizes them into that dtype; other formats compute in the asked dtype, f32 by default.
+    pub fn block_dtype(&self, asked: Option<DType>) -> DType {
+        match (self.format, asked) {
+            (_, None) => DType::F32,
+            (ModelFormat::Gguf, Some(DType::F16 | DType::BF16)) => asked.unwrap_or(DType::F32),
+            (ModelFormat::Gguf, Some(_)) => DType::F32,
+            (_, Some(d)) => d,
+        }
+    }
+
+    /// Where blocks of this model run on `device` when `asked` for a dtype: see [`ModelSource::block_dtype`].
+    pub fn block_placement(&self, device: &Device, asked: Option<DType>) -> Placement {
+        Placement::new(device.clone(), self.block_dtype(asked))
+    }
+
+    /// Loads embeddings, final norm and LM head, and nothing else.
+    pub fn load_head(&self, placement: Placement) -> Result<Head> {
+        Head::load(self.weights.as_ref(), &self.spec, placement)
+    }
+
+    pub fn tokenizer(&self, override_path: Option<&Path>) -> Result<Tokenizer> {
+        Tokenizer::for_model(&self.path, override_path)
+    }
+}
+
+fn model_name(path: &Path) -> String {
+    let stem = if path.is_dir() {
+        path.file_name()
+    } else {
+        path.file_stem()
+    };
+    let name = stem
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    // An `hf/` directory says nothing; name it after its parent.
+    if name == "hf" {
+        if let Some(parent) = path.parent().and_then(|p| p.file_name()) {
+            return parent.to_string_lossy().into_owned();
+        }
+    }
+    name
+}
+
+fn detect_format(path: &Path) -> Result<ModelFormat> {
+    if path.is_dir() {
+        let has = |f: &str| path.join(f).exists();
+        if has("config.json") && (has("model.safetensors") || has("model.safetensors.index.json")) {
+            return Ok(ModelFormat::HuggingFace);
+        }
+        return Err(ModelError::UnknownFormat(path.to_path_buf()));
+    }
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    let mut magic = [0u8; 4];
+    let has_gguf_magic = std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+        .map(|_| &magic == b"GGUF")
+        .unwrap_or(false);
+    match ext.as_str() {
+        "gguf" => Ok(ModelFormat::Gguf),
+        _ if has_gguf_magic => Ok(ModelFormat::Gguf),
+        "safetensors" => Ok(ModelFormat::HuggingFace),
+        "bin" => Ok(ModelFormat::Llama2c),
+        _ => Err(ModelError::UnknownFormat(path.to_path_buf())),
+    }
+}
+
+/// The description of a GGUF model from its metadata (llama.cpp's key names).
+fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
+    let md = w.metadata();
+    let arch = md
+        .get("general.architecture")
+        .and_then(|v| v.to_string().ok())
+        .cloned()
+        .unwrap_or_default();
+    if arch != "llama" {
+        return Err(ModelError::UnknownArchitecture(arch));
+    }
+    let get = |key: &str| md.get(&format!("llama.{key}"));
+    let need_u32 = |key: &str| -> Result<usize> {
+        get(key)
+            .and_then(|v| v.to_u32().ok())
+            .map(|v| v as usize)
+            .ok_or_else(|| ModelError::Config(format!("GGUF metadata lacks llama.{key}")))
+    };
+    let f32_or =
+        |key: &str, default: f32| get(key).and_then(|v| v.to_f32().ok()).unwrap_or(default);
+    let hidden = need_u32("embedding_length")?;
+    let heads = need_u32("attention.head_count")?;
+    let head_dim = need_u32("rope.dimension_count").or_else(|_| {
+        hidden
+            .checked_div(heads)
+            .ok_or_else(|| ModelError::Config("head_count is 0".into()))
+    })?;
+    let vocab = match w.tensor_dims("token_embd.weight") {
+        Some(d) if d.len() == 2 => d[0],
+        _ => {
+            return Err(ModelError::MissingTensor {
+                name: "token_embd.weight".into(),
+            })
+        }
+    };
+    let token_id = |key: &str| md.get(key).and_then(|v: &Value| v.to_u32().ok());
+    let spec = ModelSpec {
+        name: name.to_string(),
+        architecture: arch,
+        num_blocks: need_u32("block_count")?,
+        hidden_size: hidden,
+        intermediate_size: need_u32("feed_forward_length")?,
+        num_heads: heads,
+        num_kv_heads: need_u32("attention.head_count_kv").unwrap_or(heads),
+        head_dim,
+        vocab_size: vocab,
+        rope_theta: f32_or("rope.freq_base", 10_000.0),
+        rope_scaling: None,
+        rope_style: RopeStyle::Interleaved,
+        rms_eps: f32_or("attention.layer_norm_rms_epsilon", 1e-5) as f64,
+        max_position: need_u32("context_length").unwrap_or(4096),
+        tie_embeddings: !w.has_tensor("output.weight"),
+        bos_token_id: token_id("tokenizer.ggml.bos_token_id"),
+        eos_token_ids: token_id("tokenizer.ggml.eos_token_id")
+            .into_iter()
+            .collect(),
+    };
+    spec.validate()?;
+    Ok(spec)
+}
+
+#[cfg(test)]
+mod progress_tests {
+    use super::*;
+
+    #[test]
+    fn load_span_with_progress_reports_each_block_once_in_order() {
+        let path = crate::models_dir::find_model("stories260K/stories260K.bin")
+            .expect("the shared stories260K model");
+        let source = ModelSource::open(path).unwrap();
+        let range = BlockRange::new(1, 4);
+        let mut seen = vec![];
+        let span = source
+            .load_span_with_progress(range, &vec![Placement::cpu_f32(); 3], |i| seen.push(i))
+            .unwrap();
+        assert_eq!(seen, vec![1, 2, 3]);
+        assert_eq!(span.range(), range);
+        // A bad range fails before any block is loaded or reported.
+        let mut called = false;
+        let bad = source.load_span_with_progress(BlockRange::new(3, 9), &[], |_| called = true);
+        assert!(bad.is_err() && !called);
+    }
+}

@@ -1,0 +1,224 @@
+//! A contiguous span of blocks as a node serves it, and the per-session state that goes with it.
+use crate::compute::block::{Block, KvCache, Rope};
+use crate::compute::block_range::BlockRange;
+use crate::compute::placement::Placement;
+use crate::compute::spec::ModelSpec;
+use crate::compute::weights::WeightSource;
+use crate::error::{ModelError, Result};
+use candle_core::Tensor;
+use std::sync::Arc;
+
+/// Blocks `range` of a model, each on its own placement.
+pub struct BlockSpan {
+    spec: Arc<ModelSpec>,
+    range: BlockRange,
+    blocks: Vec<Block>,
+}
+
+impl BlockSpan {
+    /// Loads blocks `range`; `placements[i]` is where block `range.start + i` lives. Reads only those blocks' tensors.
+    pub fn load(
+        source: &dyn WeightSource,
+        spec: Arc<ModelSpec>,
+        range: BlockRange,
+        placements: &[Placement],
+    ) -> Result<Self> {
+        Self::load_with_progress(source, spec, range, placements, |_| {})
+    }
+
+    /// [`BlockSpan::load`], calling `on_block(i)` after block `i` (a model-wide index) is loaded, e.g. to tick a
+    /// progress bar.
+    pub fn load_with_progress(
+        source: &dyn WeightSource,
+        spec: Arc<ModelSpec>,
+        range: BlockRange,
+        placements: &[Placement],
+        mut on_block: impl FnMut(usize),
+    ) -> Result<Self> {
+        range.validate(spec.num_blocks)?;
+        if placements.len() != range.len() {
+            return Err(ModelError::Config(format!(
+                "{} placements given for the {} blocks of {range}",
+                placements.len(),
+                range.len()
+            )));
+        }
+        // One RoPE table per distinct placement, shared by the blocks on it.
+        let mut ropes: Vec<(Placement, Rope)> = Vec::new();
+        let mut blocks = Vec::with_capacity(range.len());
+        for (i, p) in (range.start..range.end).zip(placements) {
+            let rope = match ropes
+                .iter()
+                .find(|(q, _)| q.device.same_device(&p.device) && q.dtype == p.dtype)
+            {
+                Some((_, r)) => r.clone(),
+                None => {
+                    let r = Rope::new(&spec, p)?;
+                    ropes.push((p.clone(), r.clone()));
+                    r
+                }
+            };
+            tracing::debug!(block = i, placement = %p, "loading block");
+            blocks.push(Block::load(source, &spec, i, p.clone(), rope)?);
+            on_block(i);
+        }
+        Ok(Self {
+            spec,
+            range,
+            blocks,
+        })
+    }
+
+    pub fn range(&self) -> BlockRange {
+        self.range
+    }
+
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    pub fn blocks(&self) -> &[Block] {
+        &self.blocks
+    }
+
+    /// Where hidden states enter the span.
+    pub fn input_placement(&self) -> &Placement {
+        self.blocks[0].placement()
+    }
+
+    /// Where hidden states leave the span.
+    pub fn output_placement(&self) -> &Placement {
+        self.blocks[self.blocks.len() - 1].placement()
+    }
+
+    /// A fresh KV cache (one session's state) over `sub` (a part of this span, or all of it) holding at most `max_length` positions.
+    pub fn new_cache(&self, sub: BlockRange, max_length: usize) -> Result<SpanCache> {
+        sub.validate(self.spec.num_blocks)?;
+        if !self.range.covers(&sub) {
+            return Err(ModelError::BlockRange {
+                range: sub.to_string(),
+                reason: format!("this span serves {}", self.range),
+            });
+        }
+        if max_length == 0 || max_length > self.spec.max_position {
+            return Err(ModelError::Config(format!(
+                "max_length {max_length} must be in 1..={}",
+                self.spec.max_position
+            )));
+        }
+        let caches = (sub.start..sub.end)
+            .map(|i| self.blocks[i - self.range.start].new_cache())
+            .collect();
+        Ok(SpanCache {
+            range: sub,
+            caches,
+            position: 0,
+            max_length,
+        })
+    }
+
+    /// Runs `hidden` (`[batch, tokens, hidden_size]`, positions `position..position + tokens`) through the session's
+    /// blocks. Every check happens before any compute, so a refused step leaves the session as it was.
+    pub fn forward(
+        &self,
+        hidden: &Tensor,
+        position: usize,
+        session: &mut SpanCache,
+    ) -> Result<Tensor> {
+        let dims = hidden.dims();
+        if dims.len() != 3 || dims[2] != self.spec.hidden_size || dims[0] == 0 || dims[1] == 0 {
+            return Err(ModelError::HiddenShape {
+                actual: dims.to_vec(),
+                hidden_size: self.spec.hidden_size,
+            });
+        }
+        let tokens = dims[1];
+        session.check_step(position, tokens)?;
+        let _span = tracing::trace_span!("span_forward", blocks = %session.range, position, tokens)
+            .entered();
+        let mut x = hidden.clone();
+        for (cache, i) in session
+            .caches
+            .iter_mut()
+            .zip(session.range.start..session.range.end)
+        {
+            x = self.blocks[i - self.range.start].forward(&x, position, cache)?;
+        }
+        session.position += tokens;
+        Ok(x)
+    }
+}
+
+/// One session's state on one span: a KV cache per block and the next expected position.
+#[derive(Debug, Clone)]
+pub struct SpanCache {
+    range: BlockRange,
+    caches: Vec<KvCache>,
+    position: usize,
+    max_length: usize,
+}
+
+impl SpanCache {
+    pub fn range(&self) -> BlockRange {
+        self.range
+    }
+
+    /// Positions processed so far (the next step must start here).
+    pub fn position(&self) -> usize {
+        self.position
+    }
+
+    pub fn max_length(&self) -> usize {
+        self.max_length
+    }
+
+    pub fn caches(&self) -> &[KvCache] {
+        &self.caches
+    }
+
+    /// Restores KV for every block (e.g. a session moved from another node); tensors are normalised to each block's
+    /// placement whatever device and dtype they come in.
+    pub fn restore(&mut self, kv: &[(Tensor, Tensor)]) -> Result<()> {
+        if kv.len() != self.caches.len() {
+            return Err(ModelError::Config(format!(
+                "{} KV pairs restored into a session of {} blocks",
+                kv.len(),
+                self.caches.len()
+            )));
+        }
+        let mut len = None;
+        for ((k, v), cache) in kv.iter().zip(&mut self.caches) {
+            let n = k.dim(2)?;
+            if *len.get_or_insert(n) != n || v.dims() != k.dims() || n > self.max_length {
+                return Err(ModelError::Config(
+                    "restored KV tensors disagree in shape".into(),
+                ));
+            }
+            cache.restore(k, v)?;
+        }
+        self.position = len.unwrap_or(0);
+        Ok(())
+    }
+
+    /// Bytes of KV held across the session's blocks.
+    pub fn bytes(&self) -> usize {
+        self.caches.iter().map(KvCache::bytes).sum()
+    }
+
+    fn check_step(&self, position: usize, tokens: usize) -> Result<()> {
+        if position != self.position {
+            return Err(ModelError::Position {
+                expected: self.position,
+                got: position,
+            });
+        }
+        if position + tokens > self.max_length {
+            return Err(ModelError::TooLong {
+                position,
+                tokens,
+                max_length: self.max_length,
+            });
+        }
+        Ok(())
+    }
+}

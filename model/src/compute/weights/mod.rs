@@ -1,0 +1,129 @@
+//! Weight sources: read only the tensors asked for, from whichever file format the model came in.
+//!
+//! A node serving blocks 10..20 must never read the weights of blocks 0..10 or 20..30, so every source loads one
+//! named tensor at a time (memory-mapped safetensors, seek-and-read GGUF and llama2.c) and records what it loaded in
+//! a [`LoadLog`], which tests inspect.
+mod gguf;
+mod llama2c;
+mod safetensors;
+
+pub use gguf::GgufWeights;
+pub use llama2c::Llama2cWeights;
+pub use safetensors::SafetensorsWeights;
+
+use crate::compute::placement::Placement;
+use crate::error::Result;
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{DType, Device, Tensor};
+use sha2::Sha256;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// The tensors of one transformer block, named independently of the file format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockTensor {
+    AttnNorm,
+    Q,
+    K,
+    V,
+    O,
+    FfnNorm,
+    Gate,
+    Up,
+    Down,
+}
+
+/// The tensors outside the blocks, which only the client holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadTensor {
+    Embed,
+    FinalNorm,
+    /// Absent when the model ties it to the embeddings.
+    LmHead,
+}
+
+/// A loaded weight: dense, or still quantized as it was in the GGUF file.
+#[derive(Debug, Clone)]
+pub enum Weight {
+    Dense(Tensor),
+    Quantized(Arc<QTensor>),
+}
+
+impl Weight {
+    pub fn dims(&self) -> Vec<usize> {
+        match self {
+            Self::Dense(t) => t.dims().to_vec(),
+            Self::Quantized(q) => q.shape().dims().to_vec(),
+        }
+    }
+
+    /// A dense tensor at the placement (dequantizing if needed): norms and embeddings.
+    pub fn dense(&self, p: &Placement) -> Result<Tensor> {
+        match self {
+            Self::Dense(t) => crate::compute::placement::normalise(t, p),
+            Self::Quantized(q) => {
+                crate::compute::placement::normalise(&q.dequantize(&p.device)?, p)
+            }
+        }
+    }
+
+    /// A matmul weight. Quantized weights stay quantized when the block computes in f32 (candle's quantized
+    /// kernels take f32 activations); for f16/bf16 blocks they are dequantized to the block's dtype.
+    pub fn matmul(&self, p: &Placement) -> Result<QMatMul> {
+        match self {
+            Self::Quantized(q) if p.dtype == DType::F32 => Ok(QMatMul::from_arc(q.clone())?),
+            other => Ok(QMatMul::Tensor(other.dense(p)?)),
+        }
+    }
+}
+
+/// What a source has loaded so far: names and bytes. Tests use it to prove a span reads only its own blocks.
+#[derive(Debug, Default)]
+pub struct LoadLog {
+    names: Mutex<Vec<String>>,
+    bytes: AtomicU64,
+}
+
+impl LoadLog {
+    pub(crate) fn record(&self, name: &str, bytes: usize) {
+        if let Ok(mut names) = self.names.lock() {
+            names.push(name.to_string());
+        }
+        self.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// Format-specific names of every tensor loaded, in order.
+    pub fn names(&self) -> Vec<String> {
+        self.names.lock().map(|n| n.clone()).unwrap_or_default()
+    }
+
+    /// Bytes of tensor data read from the files.
+    pub fn bytes(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
+}
+
+/// A model's weights in one file format.
+pub trait WeightSource: Send + Sync {
+    fn load_block(&self, block: usize, t: BlockTensor, device: &Device) -> Result<Weight>;
+    /// `Ok(None)` when the tensor is legitimately absent (a tied LM head).
+    fn load_head(&self, t: HeadTensor, device: &Device) -> Result<Option<Weight>>;
+    /// The block index a format-specific tensor name belongs to, if any (tests map the load log back to blocks).
+    fn block_of(&self, name: &str) -> Option<usize>;
+    fn log(&self) -> &LoadLog;
+    /// "none" for dense weights, else the dominant quantization ("q4_1").
+    fn quantization(&self) -> String;
+    /// Feeds the tensor index and a small sample of every tensor's bytes into the model fingerprint.
+    fn fingerprint(&self, hasher: &mut Sha256) -> Result<()>;
+}
+
+/// Bytes of each tensor sampled into the fingerprint, at its start and its middle: enough to tell two fine-tunes of
+/// one architecture apart without reading whole tensors (a node must not read other blocks' weights).
+pub(crate) const FINGERPRINT_SAMPLE: usize = 64;
+
+pub(crate) fn sample_ranges(offset: u64, len: u64) -> [(u64, u64); 2] {
+    let n = (FINGERPRINT_SAMPLE as u64).min(len);
+    let mid = offset + len / 2;
+    let mid_n = n.min(offset + len - mid);
+    [(offset, n), (mid, mid_n)]
+}

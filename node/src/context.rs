@@ -1,0 +1,86 @@
+//! What a node's stream handlers share: the span, the model id, admission control, limits, the announced record
+//! and the metrics.
+use crate::admission::{Admission, Usage};
+use crate::metrics::{BuildInfo, Metrics, MetricsSource};
+use crate::Result;
+use petal_model::compute::wire::wire_dtype;
+use petal_model::BlockSpan;
+use petal_proto::pb;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// What the stream handlers share.
+pub struct ServerContext {
+    pub span: Arc<BlockSpan>,
+    pub model_id: String,
+    pub wire_dtype: pb::WireDType,
+    pub admission: Arc<Admission>,
+    pub session_timeout: Duration,
+    pub max_frame_bytes: usize,
+    record: Mutex<pb::ServerRecord>,
+    /// Prometheus metrics (rendered by [`crate::metrics::render`]).
+    pub metrics: Metrics,
+}
+
+impl ServerContext {
+    /// The state shared by a node's stream handlers; `record` is the node's announcement (usage fields are filled
+    /// in from `admission` whenever it is read).
+    pub fn new(
+        span: Arc<BlockSpan>,
+        model_id: String,
+        admission: Arc<Admission>,
+        session_timeout: Duration,
+        max_frame_bytes: usize,
+        record: pb::ServerRecord,
+    ) -> Result<Self> {
+        let metrics = Metrics::new(&BuildInfo {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            model: record.model_name.clone(),
+            model_id: model_id.clone(),
+            blocks: span.range(),
+        });
+        Ok(Self {
+            wire_dtype: wire_dtype(span.input_placement().dtype)?,
+            span,
+            model_id,
+            admission,
+            session_timeout,
+            max_frame_bytes,
+            record: Mutex::new(record),
+            metrics,
+        })
+    }
+
+    /// The current record, as answered to InfoRequest.
+    pub fn record(&self) -> pb::ServerRecord {
+        let mut r = self
+            .record
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone();
+        apply_usage(&mut r, self.admission.usage());
+        r
+    }
+
+    /// One step of `tokens` positions (batch x tokens) that took `compute_micros` of compute.
+    pub fn record_step(&self, tokens: usize, compute_micros: u64) {
+        self.metrics.record_step(tokens as u64, compute_micros);
+    }
+}
+
+impl MetricsSource for ServerContext {
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    fn usage(&self) -> Usage {
+        self.admission.usage()
+    }
+}
+
+/// Fills in a record's free cache and session count.
+fn apply_usage(r: &mut pb::ServerRecord, u: Usage) {
+    r.cache_tokens_free = u.tokens_free() as u64;
+    r.cache_tokens_total = u.tokens_total as u64;
+    r.sessions_open = u.sessions as u32;
+}

@@ -1,0 +1,54 @@
+//! What the node's tests share: a server context over stories260K, built without a network, and requests.
+#![allow(dead_code)]
+use petal_model::{models_dir, BlockRange, ModelSource, Placement};
+use petal_node::admission::Admission;
+use petal_node::ServerContext;
+use petal_proto::pb::{self, request};
+use petal_proto::PROTOCOL_VERSION;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// stories260K in llama2.c format: 5 blocks, hidden size 64.
+pub fn stories() -> PathBuf {
+    let relative = "stories260K/stories260K.bin";
+    models_dir::find_model(relative)
+        .unwrap_or_else(|| panic!("{}", models_dir::missing_model(relative)))
+}
+
+/// A server context over all 5 blocks of stories260K with these limits and announced record.
+pub fn stories_context(
+    cache_tokens: usize,
+    max_sessions: usize,
+    max_frame_bytes: usize,
+    record: pb::ServerRecord,
+) -> Arc<ServerContext> {
+    let source = ModelSource::open(stories()).unwrap();
+    let span = source
+        .load_span_on(BlockRange::new(0, 5), &Placement::cpu_f32())
+        .unwrap();
+    Arc::new(
+        ServerContext::new(
+            Arc::new(span),
+            source.model_id().unwrap(),
+            Admission::new(cache_tokens, max_sessions),
+            Duration::from_secs(60),
+            max_frame_bytes,
+            record,
+        )
+        .unwrap(),
+    )
+}
+
+/// An OpenSession request for blocks `start..end` of `model_id`.
+pub fn open_request(model_id: &str, start: u32, end: u32, max_length: u32) -> pb::Request {
+    pb::Request {
+        kind: Some(request::Kind::Open(pb::OpenSession {
+            protocol_version: PROTOCOL_VERSION,
+            model_id: model_id.to_string(),
+            start_block: start,
+            end_block: end,
+            max_length,
+        })),
+    }
+}
