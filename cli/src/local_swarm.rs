@@ -44,6 +44,8 @@ impl LocalSwarm {
             Keypair::generate_ed25519(),
             vec![loopback()],
             BOOTSTRAP_RECORD_TTL,
+            vec![],
+            None,
         )
         .await
         .map_err(LocalSwarmError::Bootstrap)?;

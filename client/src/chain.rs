@@ -4,12 +4,18 @@
 //! run's.
 use crate::error::{ClientError, Result};
 use crate::hop::HopClient;
+use crate::router::Hop;
 use crate::swarm::SwarmClient;
 use candle_core::Tensor;
 use petal_model::compute::wire::from_wire;
 use petal_model::BlockRange;
 use petal_proto::pb;
 use std::time::{Duration, Instant};
+
+/// Bound on reaching a server again after its connection broke: long enough for a relayed connection and the
+/// hole-punching attempt that follows it (up to 5 s), short enough that a dead server does not hold up its
+/// replacement for long.
+const RECONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Timeouts and retry limits of a chain session.
 #[derive(Debug, Clone)]
@@ -61,6 +67,16 @@ pub struct HopTiming {
     /// The server's compute time for the step, as it reports it.
     #[serde(serialize_with = "crate::serde_ms")]
     pub compute: Duration,
+}
+
+/// One hop of the route as it is now, for reports (`petal generate --json`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RouteHop {
+    pub peer: String,
+    pub name: String,
+    pub blocks: String,
+    /// "direct", or "relayed" when the stream goes through a circuit relay (hole punching did not succeed).
+    pub path: &'static str,
 }
 
 /// Hidden states through a chain of servers, position by position.
@@ -120,9 +136,7 @@ impl ChainSession {
                 let mut links = Vec::with_capacity(route.len());
                 for hop in route {
                     let peer = hop.record.peer_id.clone();
-                    match HopClient::open(net, &model_id, hop, max_length, config.step_timeout)
-                        .await
-                    {
+                    match open_hop(net, &model_id, hop, max_length, config.step_timeout).await {
                         Ok(hop) => links.push(ChainLink {
                             hop,
                             history: vec![],
@@ -152,6 +166,22 @@ impl ChainSession {
     /// `name(peer)[a..b]` for each hop, in order.
     pub fn route(&self) -> Vec<String> {
         self.links.iter().map(|l| l.hop.hop().describe()).collect()
+    }
+
+    /// Each hop's server, blocks and path (direct or relayed), in order.
+    pub fn hops(&self) -> Vec<RouteHop> {
+        self.links
+            .iter()
+            .map(|l| {
+                let hop = l.hop.hop();
+                RouteHop {
+                    peer: hop.record.peer_id.clone(),
+                    name: hop.record.public_name.clone(),
+                    blocks: hop.range.to_string(),
+                    path: if l.hop.relayed() { "relayed" } else { "direct" },
+                }
+            })
+            .collect()
     }
 
     /// Servers replaced so far.
@@ -205,6 +235,40 @@ impl ChainSession {
         let failed = self.links.remove(i);
         let failed_hop = failed.hop.hop().clone();
         let range = failed_hop.range;
+        // A broken connection (a relay circuit at its limit, an expired NAT mapping, a network blip) says nothing
+        // about the server: try it once more on a fresh connection, with replay, before banning it.
+        if cause.is_connection_lost() {
+            let net = self.client.network().clone();
+            let (model_id, max_length) = (self.model_id.clone(), self.max_length);
+            let timeout = self.config.step_timeout;
+            let reconnected = reconnect(
+                &net,
+                &model_id,
+                max_length,
+                timeout,
+                &failed_hop,
+                &failed.history,
+            )
+            .await;
+            match reconnected {
+                Ok(link) => {
+                    let elapsed = started.elapsed();
+                    tracing::info!(peer = %failed_hop.peer_id(), %range, replayed = failed.history.len(), elapsed_ms = elapsed.as_millis() as u64, "reconnected to the same server");
+                    self.failovers.push(Failover {
+                        failed_peer: failed_hop.peer_id().to_string(),
+                        range,
+                        reason: format!("reconnected after: {cause}"),
+                        replayed_steps: failed.history.len(),
+                        elapsed,
+                    });
+                    self.links.insert(i, link);
+                    return Ok(());
+                }
+                Err(e) => {
+                    tracing::warn!(peer = %failed_hop.peer_id(), error = %e, "reconnecting failed")
+                }
+            }
+        }
         tracing::warn!(peer = %failed_hop.peer_id(), %range, error = %cause, "server failed; replacing it");
         self.client.ban(failed_hop.peer_id());
         let mut attempts = 0;
@@ -238,6 +302,54 @@ impl ChainSession {
             link.hop.close(self.config.step_timeout).await;
         }
     }
+}
+
+/// Opens a session on `hop`; a connection that breaks while opening (a server's stale connection, a blip) is no
+/// reason to ban it, so that is retried once on a fresh connection.
+async fn open_hop(
+    net: &petal_p2p::Network,
+    model_id: &str,
+    hop: Hop,
+    max_length: usize,
+    timeout: Duration,
+) -> Result<HopClient> {
+    match HopClient::open(net, model_id, hop.clone(), max_length, timeout).await {
+        Err(e) if e.is_connection_lost() => {
+            tracing::debug!(peer = %hop.peer_id(), error = %e, "opening a session broke; trying a fresh connection");
+            if let Ok(peer) = hop.record.peer_id.parse() {
+                net.disconnect(peer, Duration::from_secs(2)).await;
+            }
+            HopClient::open(net, model_id, hop, max_length, timeout).await
+        }
+        other => other,
+    }
+}
+
+/// A fresh session with the same server for the same blocks, rebuilt by replaying `history`. A free function so
+/// its future borrows nothing from the (non-`Sync`) session.
+async fn reconnect(
+    net: &petal_p2p::Network,
+    model_id: &str,
+    max_length: usize,
+    step_timeout: Duration,
+    hop: &Hop,
+    history: &[(u32, pb::Tensor)],
+) -> Result<ChainLink> {
+    let open_timeout = step_timeout.min(RECONNECT_TIMEOUT);
+    // Whatever connection the stream broke on may be half-closed (a relay circuit at its limit): start afresh.
+    if let Ok(peer) = hop.record.peer_id.parse() {
+        net.disconnect(peer, Duration::from_secs(2)).await;
+    }
+    let client = HopClient::open(net, model_id, hop.clone(), max_length, open_timeout).await?;
+    let mut fresh = [ChainLink {
+        hop: client,
+        history: vec![],
+    }];
+    replay(&mut fresh, history, step_timeout)
+        .await
+        .map_err(|(_, e)| e)?;
+    let [link] = fresh;
+    Ok(link)
 }
 
 /// Sends a failed hop's recorded inputs, step by step as they were first sent (the same chunking gives the same

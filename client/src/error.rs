@@ -36,6 +36,12 @@ pub enum ClientError {
 }
 
 impl ClientError {
+    /// Whether the connection, rather than the server's answer, failed: the stream broke or could not be
+    /// opened, or the server's bytes made no sense. The same server may well succeed on a new connection.
+    pub fn is_connection_lost(&self) -> bool {
+        matches!(self, Self::Net(_) | Self::Protocol { .. })
+    }
+
     /// Whether another server might succeed where this one failed: connection trouble, timeouts, and refusals that
     /// depend on the server's state. Bad requests and model mismatches would fail anywhere.
     pub fn is_retryable(&self) -> bool {

@@ -7,13 +7,14 @@
 //! runs under `block_in_place`, so the other tasks of the worker (other requests, the swarm actor) move to other
 //! threads meanwhile, and every step ends at an `.await`, so a task aborted between steps stops.
 use crate::blocks::{BlockSession, LocalSpans, ModelBlocks, RemoteChain};
-use crate::chain::{ChainConfig, Failover, HopTiming};
+use crate::chain::{ChainConfig, Failover, HopTiming, RouteHop};
 use crate::error::{ClientError, Result};
 use crate::swarm::SwarmClient;
 use candle_core::Tensor;
 use petal_model::text::decoding::{
-    Generation, GenerationConfig, GenerationOutput, GenerationTimer,
+    Generation, GenerationConfig, GenerationOutput, GenerationTimer, Step,
 };
+use petal_model::text::sampling::TokenLogprob;
 use petal_model::{Head, ModelSource, Placement, Tokenizer};
 use serde::Serialize;
 use std::time::{Duration, Instant};
@@ -41,6 +42,8 @@ pub struct Completion {
     pub sampled: Vec<u32>,
     /// True when `on_text` asked to stop (the listener went away) before the generation finished.
     pub cancelled: bool,
+    /// With [`GenerationConfig::logprobs`]: one entry per token of `sampled`, in order; otherwise empty.
+    pub logprobs: Vec<TokenLogprob>,
     pub cost: Cost,
 }
 
@@ -49,6 +52,8 @@ pub struct Completion {
 pub struct Cost {
     /// `name(peer)[a..b]` per hop at the end of the completion; empty when local.
     pub route: Vec<String>,
+    /// The same hops with their peer, blocks and path (direct or relayed).
+    pub hops: Vec<RouteHop>,
     /// Bytes sent and received over all hops during this completion.
     pub bytes_on_wire: u64,
     /// Servers replaced during this completion.
@@ -201,13 +206,15 @@ impl Generator {
         tokenizer: Option<&Tokenizer>,
         prompt: &[u32],
         config: &GenerationConfig,
-        on_text: impl FnMut(&str) -> bool,
+        mut on_text: impl FnMut(&str) -> bool,
     ) -> Result<Completion> {
         check_fits(prompt.len(), self.max_position)?;
         let max_length = (prompt.len() + config.max_new_tokens).min(self.max_position);
         let mut session = self.open_session(max_length).await?;
         let result = self
-            .decode(&mut session, tokenizer, prompt, config, on_text)
+            .decode(&mut session, tokenizer, prompt, config, |step| {
+                on_text(&step.text)
+            })
             .await;
         session.close().await;
         result
@@ -223,9 +230,26 @@ impl Generator {
         tokenizer: &Tokenizer,
         context: &[u32],
         config: &GenerationConfig,
-        on_text: impl FnMut(&str) -> bool,
+        mut on_text: impl FnMut(&str) -> bool,
     ) -> Result<Completion> {
-        self.decode(session, Some(tokenizer), context, config, on_text)
+        self.decode(session, Some(tokenizer), context, config, |step| {
+            on_text(&step.text)
+        })
+        .await
+    }
+
+    /// [`Generator::continue_in`] with the whole of each step: `on_step` gets the sampled token, the text it
+    /// completed (possibly empty), whether the generation finished, and the step's log-probabilities when
+    /// `config.logprobs` asks; it returns whether to go on.
+    pub async fn continue_with(
+        &self,
+        session: &mut Session,
+        tokenizer: &Tokenizer,
+        context: &[u32],
+        config: &GenerationConfig,
+        on_step: impl FnMut(&Step) -> bool,
+    ) -> Result<Completion> {
+        self.decode(session, Some(tokenizer), context, config, on_step)
             .await
     }
 
@@ -236,7 +260,7 @@ impl Generator {
         tokenizer: Option<&Tokenizer>,
         context: &[u32],
         config: &GenerationConfig,
-        mut on_text: impl FnMut(&str) -> bool,
+        mut on_step: impl FnMut(&Step) -> bool,
     ) -> Result<Completion> {
         let start = session.position();
         if start >= context.len() {
@@ -250,7 +274,7 @@ impl Generator {
         let mut generation = Generation::new(tokenizer, context, config)?;
         let mut timer = GenerationTimer::new();
         let mut text = String::new();
-        let (mut sampled, mut steps) = (vec![], vec![]);
+        let (mut sampled, mut steps, mut logprobs) = (vec![], vec![], vec![]);
         let mut cancelled = false;
         let mut input = context[start..].to_vec();
         while generation.finished().is_none()
@@ -264,7 +288,9 @@ impl Generator {
             steps.push(timing);
             sampled.push(step.token);
             text.push_str(&step.text);
-            if !on_text(&step.text) {
+            let go_on = on_step(&step);
+            logprobs.extend(step.logprob);
+            if !go_on {
                 cancelled = generation.finished().is_none();
                 break;
             }
@@ -274,8 +300,10 @@ impl Generator {
             output: timer.finish(context.len(), &generation, text),
             sampled,
             cancelled,
+            logprobs,
             cost: Cost {
                 route: session.route(),
+                hops: session.hops(),
                 bytes_on_wire: session.bytes_on_wire().saturating_sub(bytes_before),
                 failovers: session.failovers()[failovers_before.min(session.failovers().len())..]
                     .to_vec(),

@@ -5,7 +5,7 @@ use crate::error::{ClientError, Result};
 use crate::router::Hop;
 use candle_core::Tensor;
 use petal_model::compute::wire::{from_wire, to_wire};
-use petal_p2p::{Network, PeerId, Stream};
+use petal_p2p::{ConnectionPath, Network, PeerId, Stream};
 use petal_proto::pb::{self, request, response};
 use petal_proto::{FramedStream, DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION};
 use std::time::{Duration, Instant};
@@ -18,6 +18,8 @@ pub struct HopClient {
     session_id: u64,
     /// The dtype the server wants hidden states in (its span's input dtype).
     dtype: pb::WireDType,
+    /// Whether the stream goes through a circuit relay (no direct connection, even after hole punching).
+    relayed: bool,
 }
 
 /// What one step through a hop returned.
@@ -56,10 +58,12 @@ impl HopClient {
                 peer: hop.record.peer_id.clone(),
                 seconds: timeout.as_secs_f64(),
             })??;
+        let relayed = net.connection_path(peer).await == Some(ConnectionPath::Relayed);
         let mut client = Self {
             stream: FramedStream::new(stream, DEFAULT_MAX_FRAME_BYTES),
             session_id: 0,
             dtype: pb::WireDType::F32,
+            relayed,
             hop,
         };
         let open = request::Kind::Open(pb::OpenSession {
@@ -83,6 +87,11 @@ impl HopClient {
     /// The server and the blocks it runs for this session.
     pub fn hop(&self) -> &Hop {
         &self.hop
+    }
+
+    /// Whether the hop's stream goes through a relay.
+    pub fn relayed(&self) -> bool {
+        self.relayed
     }
 
     /// Bytes sent and received on this hop's stream so far.

@@ -15,7 +15,7 @@ pub mod router;
 pub mod swarm;
 
 pub use blocks::{BlockSession, BlocksOutput, LocalSpans, ModelBlocks, RemoteChain};
-pub use chain::{ChainConfig, ChainSession, Failover, HopTiming};
+pub use chain::{ChainConfig, ChainSession, Failover, HopTiming, RouteHop};
 pub use conversation::{Conversation, Turn};
 pub use error::ClientError;
 pub use generator::{Completion, Cost, Generator, Session, StepTiming};

@@ -32,7 +32,7 @@ impl Hop {
 type Reach = Option<(usize, Duration, Option<(usize, usize)>)>;
 
 /// RTT assumed for a server never pinged: worse than any loopback or LAN peer, so measured peers win ties.
-const UNKNOWN_RTT: Duration = Duration::from_millis(250);
+pub const UNKNOWN_RTT: Duration = Duration::from_millis(250);
 
 /// Plans a chain covering `target` (the whole model, or the blocks of a failed hop) from live `servers`, skipping
 /// `banned` peers. From each position the chain may use any server whose span contains it and runs to that

@@ -1,8 +1,8 @@
 //! Joining the swarm as a client, finding servers, and remembering which ones failed us.
 use crate::error::{ClientError, Result};
-use crate::router::{plan_range, Hop};
+use crate::router::{plan_range, Hop, UNKNOWN_RTT};
 use petal_model::BlockRange;
-use petal_p2p::{find_servers, Keypair, Multiaddr, NetConfig, Network};
+use petal_p2p::{find_servers, ConnectionPath, Keypair, Multiaddr, NatStatus, NetConfig, Network};
 use petal_proto::pb::ServerRecord;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -10,6 +10,9 @@ use std::time::{Duration, Instant};
 
 /// How long a server that failed a request is left out of new routes.
 pub const BAN_DURATION: Duration = Duration::from_secs(60);
+/// Added to the RTT of a server reached through a relay (or, before any connection, of one that announces itself
+/// unreachable): every byte takes the relay's detour and shares its limits, so a direct server of equal RTT wins.
+pub const RELAYED_PENALTY: Duration = Duration::from_millis(100);
 
 /// A client's membership of the swarm: a libp2p peer in DHT client mode. Cheap to clone.
 #[derive(Clone)]
@@ -20,9 +23,17 @@ pub struct SwarmClient {
 
 impl SwarmClient {
     /// Starts a client peer with a fresh identity and joins the DHT through `bootstrap`.
+    ///
+    /// The client listens on ephemeral TCP and QUIC ports although nobody dials it: outgoing connections then
+    /// leave from those ports, so the address its NAT maps them to is stable, which is what hole punching to a
+    /// server behind another NAT needs.
     pub async fn connect(bootstrap: Vec<Multiaddr>) -> Result<Self> {
         let mut config = NetConfig::new(Keypair::generate_ed25519());
         config.bootstrap = bootstrap;
+        config.listen = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
+            .iter()
+            .filter_map(|a| a.parse().ok())
+            .collect();
         let net = Network::start(config).await?;
         if let Err(e) = net.bootstrap().await {
             tracing::warn!(error = %e, "DHT bootstrap failed; discovery may be incomplete");
@@ -82,7 +93,17 @@ impl SwarmClient {
             let mut rtts = HashMap::new();
             for s in &servers {
                 if let Ok(peer) = s.peer_id.parse() {
-                    if let Some(rtt) = self.net.rtt(peer).await {
+                    let relayed = match self.net.connection_path(peer).await {
+                        Some(path) => path == ConnectionPath::Relayed,
+                        None => s.reachability == NatStatus::Private.as_str(),
+                    };
+                    let rtt = self.net.rtt(peer).await;
+                    let rtt = match (rtt, relayed) {
+                        (Some(rtt), true) => Some(rtt + RELAYED_PENALTY),
+                        (None, true) => Some(UNKNOWN_RTT + RELAYED_PENALTY),
+                        (rtt, false) => rtt,
+                    };
+                    if let Some(rtt) = rtt {
                         rtts.insert(s.peer_id.clone(), rtt);
                     }
                 }

@@ -210,3 +210,94 @@ fn params_round_trip_through_json_with_defaults() {
     let back: SamplingParams = serde_json::from_str(&json).unwrap();
     assert_eq!(back, params);
 }
+
+#[test]
+fn openai_penalties_count_the_drawn_tokens() {
+    use petal_model::text::sampling::MAX_PENALTY;
+    // Token 3 (2.0) wins the first draw; then presence lowers it once, whatever the count: 1.6 < 7's 1.8, and
+    // once 7 is drawn too (1.4), 3 (1.6) beats 4 (1.5) for good.
+    let presence = SamplingParams {
+        presence_penalty: 0.4,
+        ..SamplingParams::default()
+    };
+    assert_eq!(draws(presence, 5), [3, 7, 3, 3, 3]);
+    // Frequency grows with each draw: 3 (2.0 - 0.15 n3) against 7 (1.8 - 0.15 n7).
+    let frequency = SamplingParams {
+        frequency_penalty: 0.15,
+        ..SamplingParams::default()
+    };
+    assert_eq!(draws(frequency, 4), [3, 3, 7, 3]);
+    // The prompt does not count: only what the sampler itself drew.
+    let mut sampler = Sampler::new(SamplingParams {
+        presence_penalty: 2.0,
+        ..SamplingParams::default()
+    })
+    .unwrap();
+    assert_eq!(sampler.sample(&logits(), &[3, 3, 3]).unwrap(), 3);
+    // Negative values encourage repetition.
+    let sticky = SamplingParams {
+        presence_penalty: -1.0,
+        frequency_penalty: -1.0,
+        ..SamplingParams::default()
+    };
+    assert!(draws(sticky, 10).iter().all(|&t| t == 3));
+    // Off by default, and out of range is refused.
+    assert_eq!(SamplingParams::default().presence_penalty, 0.0);
+    assert_eq!(SamplingParams::default().frequency_penalty, 0.0);
+    for bad in [MAX_PENALTY + 0.01, -MAX_PENALTY - 0.01, f32::NAN] {
+        let p = SamplingParams {
+            presence_penalty: bad,
+            ..SamplingParams::default()
+        };
+        assert!(
+            matches!(p.validate(), Err(ModelError::Sampling(_))),
+            "{p:?}"
+        );
+        let f = SamplingParams {
+            frequency_penalty: bad,
+            ..SamplingParams::default()
+        };
+        assert!(
+            matches!(f.validate(), Err(ModelError::Sampling(_))),
+            "{f:?}"
+        );
+    }
+    SamplingParams {
+        presence_penalty: MAX_PENALTY,
+        frequency_penalty: -MAX_PENALTY,
+        ..SamplingParams::default()
+    }
+    .validate()
+    .unwrap();
+}
+
+#[test]
+fn logprobs_are_the_models_log_softmax() {
+    use petal_model::text::sampling::logprobs;
+    let values = [0.5f64, 1.0, 0.2, 2.0, 1.5, -1.0, 0.0, 1.8];
+    let norm = values.iter().map(|v| v.exp()).sum::<f64>().ln();
+    let lp = logprobs(&logits(), 7, 3).unwrap();
+    assert_eq!(lp.token, 7);
+    assert!((lp.logprob as f64 - (1.8 - norm)).abs() < 1e-6, "{lp:?}");
+    let top: Vec<u32> = lp.top.iter().map(|a| a.token).collect();
+    assert_eq!(top, [3, 7, 4]);
+    assert!(lp.top.windows(2).all(|w| w[0].logprob >= w[1].logprob));
+    assert!((lp.top[0].logprob as f64 - (2.0 - norm)).abs() < 1e-6);
+    // The whole vocabulary's probabilities add up to 1; more than the vocabulary is the vocabulary.
+    let all = logprobs(&logits(), 0, 100).unwrap();
+    assert_eq!(all.top.len(), 8);
+    let total: f64 = all.top.iter().map(|a| (a.logprob as f64).exp()).sum();
+    assert!((total - 1.0).abs() < 1e-6, "{total}");
+    // Zero alternatives: the chosen token's only; batched shapes and other dtypes work.
+    assert!(logprobs(&logits(), 3, 0).unwrap().top.is_empty());
+    let half = logits()
+        .to_dtype(candle_core::DType::F16)
+        .unwrap()
+        .reshape((1, 8))
+        .unwrap();
+    assert_eq!(logprobs(&half, 3, 1).unwrap().top[0].token, 3);
+    assert!(matches!(
+        logprobs(&logits(), 8, 1),
+        Err(ModelError::Sampling(_))
+    ));
+}

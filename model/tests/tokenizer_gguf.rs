@@ -173,3 +173,25 @@ fn tokenizer_json_beside_gguf_wins() {
         .expect("chat template from the GGUF metadata");
     assert!(template.source().contains("<|im_start|>"));
 }
+
+/// A token's bytes, laid end to end, are the text: even where one character spans several tokens.
+#[test]
+fn token_bytes_concatenate_to_the_text() {
+    let tok = smollm();
+    for text in [
+        "The capital of France is Paris.",
+        "line one\nline two\ttab",
+        "café ☃ 日本語 😀",
+    ] {
+        let bytes: Vec<u8> = tok
+            .encode(text, false)
+            .unwrap()
+            .into_iter()
+            .flat_map(|id| tok.token_bytes(id))
+            .collect();
+        assert_eq!(String::from_utf8(bytes).unwrap(), text);
+    }
+    assert_eq!(tok.token_bytes(7042), b" Paris");
+    assert_eq!(tok.token_bytes(2), b"<|im_end|>");
+    assert!(tok.token_bytes(u32::MAX).is_empty());
+}

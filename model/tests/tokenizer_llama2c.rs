@@ -339,3 +339,25 @@ fn gguf_llama_vocabulary_matches_hf() {
     assert_eq!(ids.iter().filter(|&&id| id == 1).count(), 1);
     assert_eq!(ids.last(), Some(&2));
 }
+
+/// SentencePiece pieces: `▁` is a space and `<0xHH>` a byte, so a token's bytes laid end to end are the text
+/// (with the space SentencePiece puts before it).
+#[test]
+fn token_bytes_concatenate_to_the_text() {
+    let tok = Tokenizer::from_file(&stories_dir().join("tok512.bin")).unwrap();
+    // A special token's text (`<s>` here) becomes its id, whose bytes are its text, with no space before it.
+    for text in TEXTS
+        .iter()
+        .filter(|t| !t.is_empty() && !t.starts_with("<s>"))
+    {
+        let bytes: Vec<u8> = tok
+            .encode(text, false)
+            .unwrap()
+            .into_iter()
+            .flat_map(|id| tok.token_bytes(id))
+            .collect();
+        let decoded = String::from_utf8(bytes).unwrap();
+        assert_eq!(decoded.strip_prefix(' '), Some(*text), "{text:?}");
+    }
+    assert_eq!(tok.token_bytes(1), b"<s>");
+}

@@ -51,6 +51,13 @@ impl ServerContext {
         })
     }
 
+    /// Records AutoNAT's verdict in the announced record.
+    pub fn set_reachability(&self, status: &str) {
+        if let Ok(mut r) = self.record.lock() {
+            r.reachability = status.to_string();
+        }
+    }
+
     /// The current record, as answered to InfoRequest.
     pub fn record(&self) -> pb::ServerRecord {
         let mut r = self

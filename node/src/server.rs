@@ -6,7 +6,10 @@ use candle_core::DType;
 use petal_model::compute::placement::DeviceSpec;
 use petal_model::compute::wire::wire_dtype;
 use petal_model::{BlockRange, BlockSpan, ModelSource};
-use petal_p2p::{Announcer, AnnouncerHandle, Keypair, Multiaddr, NetConfig, Network, PeerId};
+use petal_p2p::{
+    Announcer, AnnouncerHandle, Keypair, Multiaddr, NetConfig, Network, PeerId, Reachability,
+    RelayLimits,
+};
 use petal_proto::pb;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -29,6 +32,11 @@ pub struct NodeConfig {
     pub keypair: Keypair,
     pub listen: Vec<Multiaddr>,
     pub bootstrap: Vec<Multiaddr>,
+    /// Addresses the node is reachable at that it cannot see itself (`--announce-addr`: a port forward, a
+    /// container's published port, a DNS name).
+    pub announce: Vec<Multiaddr>,
+    /// Relay for peers behind NAT with these limits (`None`: `--no-relay`).
+    pub relay: Option<RelayLimits>,
     pub public_name: String,
     /// KV cache budget in token positions across all sessions.
     pub cache_tokens: usize,
@@ -54,6 +62,8 @@ impl NodeConfig {
             keypair: Keypair::generate_ed25519(),
             listen: vec![],
             bootstrap: vec![],
+            announce: vec![],
+            relay: Some(RelayLimits::default()),
             public_name: String::new(),
             cache_tokens: 16384,
             max_sessions: 64,
@@ -65,6 +75,9 @@ impl NodeConfig {
         }
     }
 }
+
+/// How long `Node::start` waits for its first DHT announcement.
+const FIRST_ANNOUNCE_WAIT: Duration = Duration::from_secs(10);
 
 /// A started node.
 pub struct Node {
@@ -113,6 +126,9 @@ impl Node {
         net_config.bootstrap = config.bootstrap.clone();
         net_config.dht_server = true;
         net_config.record_ttl = config.record_ttl;
+        net_config.announce = config.announce.clone();
+        net_config.relay = config.relay.clone();
+        net_config.use_relays = true;
         let net = Network::start(net_config).await?;
         let listen_addrs = net.listen_addrs().await;
         if let Err(e) = net.bootstrap().await {
@@ -127,7 +143,11 @@ impl Node {
             model_name: spec.name.clone(),
             num_blocks: spec.num_blocks as u32,
             peer_id: net.peer_id().to_string(),
-            addrs: listen_addrs.iter().map(ToString::to_string).collect(),
+            // Left empty: the announcer fills in the addresses current at each publication (relayed ones appear
+            // once AutoNAT finds the node unreachable and a relay holds a slot for it).
+            addrs: vec![],
+            relay: config.relay.is_some(),
+            reachability: petal_p2p::NatStatus::Unknown.as_str().to_string(),
             start_block: config.blocks.start as u32,
             end_block: config.blocks.end as u32,
             dtype: wire as i32,
@@ -150,9 +170,15 @@ impl Node {
         tokio::spawn(keep_record_current(
             ctx.clone(),
             admission.subscribe(),
+            net.reachability(),
             record_tx,
         ));
         let announcer = Announcer::spawn(net.clone(), record_rx, config.record_ttl);
+        // "Serving" means findable: wait for the first announcement (bounded: a lone first node has nobody to
+        // store at and still serves).
+        if !announcer.first_published(FIRST_ANNOUNCE_WAIT).await {
+            tracing::warn!("the first announcement is taking long; serving meanwhile");
+        }
 
         let (metrics_addr, metrics_task) = match metrics_listener {
             Some(listener) => {
@@ -291,9 +317,21 @@ fn measure_throughput(span: &BlockSpan) -> Result<f64> {
 async fn keep_record_current(
     ctx: Arc<ServerContext>,
     mut usage: watch::Receiver<Usage>,
+    mut reachability: watch::Receiver<Reachability>,
     record: watch::Sender<pb::ServerRecord>,
 ) {
-    while usage.changed().await.is_ok() {
+    loop {
+        tokio::select! {
+            changed = usage.changed() => if changed.is_err() { break },
+            // New relayed or confirmed addresses: the announcer reads them when it stamps the record.
+            changed = reachability.changed() => {
+                if changed.is_err() {
+                    break;
+                }
+                let status = reachability.borrow_and_update().status;
+                ctx.set_reachability(status.as_str());
+            }
+        }
         // Coalesce bursts of opens/closes into one DHT update.
         tokio::time::sleep(Duration::from_millis(200)).await;
         usage.borrow_and_update();
@@ -303,15 +341,20 @@ async fn keep_record_current(
     }
 }
 
-/// A bootstrap peer: a DHT server that hosts no blocks.
+/// A bootstrap peer: a DHT server that hosts no blocks, and (unless `relay` is `None`) a relay for peers behind
+/// NAT. `announce`: addresses it is reachable at that it cannot see itself.
 pub async fn start_bootstrap(
     keypair: Keypair,
     listen: Vec<Multiaddr>,
     record_ttl: Duration,
+    announce: Vec<Multiaddr>,
+    relay: Option<RelayLimits>,
 ) -> Result<Network> {
     let mut config = NetConfig::new(keypair);
     config.listen = listen;
     config.dht_server = true;
     config.record_ttl = record_ttl;
+    config.announce = announce;
+    config.relay = relay;
     Ok(Network::start(config).await?)
 }

@@ -41,6 +41,8 @@ enum Request {
 pub struct AnnouncerHandle {
     messages: mpsc::Sender<Request>,
     task: JoinHandle<()>,
+    /// Publications done so far (0 until the first one ended).
+    published: watch::Receiver<u64>,
 }
 
 impl Announcer {
@@ -56,8 +58,13 @@ impl Announcer {
         ttl: Duration,
     ) -> AnnouncerHandle {
         let (messages, inbox) = mpsc::channel(4);
-        let task = tokio::spawn(run(network, record_source, ttl, inbox));
-        AnnouncerHandle { messages, task }
+        let (published_tx, published) = watch::channel(0);
+        let task = tokio::spawn(run(network, record_source, ttl, inbox, published_tx));
+        AnnouncerHandle {
+            messages,
+            task,
+            published,
+        }
     }
 }
 
@@ -74,6 +81,15 @@ impl AnnouncerHandle {
             .await
             .map_err(|_| NetError::Timeout("withdrawing the server record"))?
             .map_err(|_| NetError::Closed)?
+    }
+
+    /// Waits (at most `timeout`) until the first publication has been attempted, so a server that says it is
+    /// serving can be found. `false` if that took longer.
+    pub async fn first_published(&self, timeout: Duration) -> bool {
+        let mut published = self.published.clone();
+        tokio::time::timeout(timeout, published.wait_for(|n| *n > 0))
+            .await
+            .is_ok_and(|r| r.is_ok())
     }
 
     /// Whether the announcer task has ended (withdrawn, or its network shut down).
@@ -94,7 +110,6 @@ struct State {
     ttl: Duration,
     /// Model id currently provided, if its provider announcement succeeded.
     provided_model: Option<String>,
-    provided_servers: bool,
 }
 
 impl State {
@@ -102,10 +117,7 @@ impl State {
     async fn stamp(&self, mut record: ServerRecord, withdrawn: bool) -> Vec<u8> {
         record.peer_id = self.network.peer_id().to_string();
         if record.addrs.is_empty() {
-            record.addrs = self
-                .network
-                .listen_addrs()
-                .await
+            record.addrs = crate::reachability::announceable(self.network.listen_addrs().await)
                 .iter()
                 .map(ToString::to_string)
                 .collect();
@@ -133,24 +145,23 @@ impl State {
             Err(e) => tracing::warn!(error = %e, "cannot publish server record; will retry"),
         }
 
+        // Provider records are announced again at every publication, not only once: each carries the addresses
+        // this node has *at that moment*, and a node behind NAT gains its relayed addresses only after its first
+        // announcement. Peers drop a provider whose record has no address and who is not in their routing table.
         if self.provided_model.as_deref() != Some(model_id.as_str()) {
             if let Some(old) = self.provided_model.take() {
                 self.network.stop_providing(model_key(&old)).await;
             }
-            match self.network.start_providing(model_key(&model_id)).await {
-                Ok(()) => self.provided_model = Some(model_id),
-                Err(NetError::Closed) => return Err(NetError::Closed),
-                Err(e) => {
-                    tracing::warn!(error = %e, %model_id, "cannot announce model; will retry")
-                }
-            }
         }
-        if !self.provided_servers {
-            match self.network.start_providing(SERVERS_KEY.to_vec()).await {
-                Ok(()) => self.provided_servers = true,
-                Err(NetError::Closed) => return Err(NetError::Closed),
-                Err(e) => tracing::warn!(error = %e, "cannot announce server; will retry"),
-            }
+        match self.network.start_providing(model_key(&model_id)).await {
+            Ok(()) => self.provided_model = Some(model_id),
+            Err(NetError::Closed) => return Err(NetError::Closed),
+            Err(e) => tracing::warn!(error = %e, %model_id, "cannot announce model; will retry"),
+        }
+        match self.network.start_providing(SERVERS_KEY.to_vec()).await {
+            Ok(()) => {}
+            Err(NetError::Closed) => return Err(NetError::Closed),
+            Err(e) => tracing::warn!(error = %e, "cannot announce server; will retry"),
         }
         Ok(())
     }
@@ -175,6 +186,7 @@ async fn run(
     mut source: watch::Receiver<ServerRecord>,
     ttl: Duration,
     mut inbox: mpsc::Receiver<Request>,
+    published: watch::Sender<u64>,
 ) {
     let period = (ttl / 3).max(MIN_PERIOD);
     // Changes are published at most this often; periodic refreshes carry later changes anyway.
@@ -183,8 +195,11 @@ async fn run(
         network,
         ttl,
         provided_model: None,
-        provided_servers: false,
     };
+    // Provider records carry the addresses this node has when they are made, and a peer drops a provider it has
+    // neither addresses for nor in its routing table: so the first announcement waits (briefly) until AutoNAT has
+    // spoken and, behind NAT, a relay holds a slot (its circuit address is then an external address).
+    wait_until_reachable(&state.network, FIRST_ANNOUNCE_DEADLINE).await;
     let mut watching = true;
     let mut last_publish: Option<Instant> = None;
     let mut next = Instant::now();
@@ -229,7 +244,24 @@ async fn run(
                 let now = Instant::now();
                 last_publish = Some(now);
                 next = now + period;
+                published.send_modify(|n| *n += 1);
             }
         }
+    }
+}
+
+/// How long the first announcement waits for reachability to be known (a lone first node never learns it).
+const FIRST_ANNOUNCE_DEADLINE: Duration = Duration::from_secs(8);
+
+/// Waits until this node is known to be public, or private with a relayed address, or `limit` passes.
+async fn wait_until_reachable(network: &Network, limit: Duration) {
+    let mut reachability = network.reachability();
+    let known = reachability.wait_for(|r| match r.status {
+        crate::NatStatus::Public => true,
+        crate::NatStatus::Private => !r.relayed.is_empty(),
+        crate::NatStatus::Unknown => false,
+    });
+    if tokio::time::timeout(limit, known).await.is_err() {
+        tracing::debug!("reachability still unknown; announcing anyway");
     }
 }

@@ -1,18 +1,19 @@
 //! The composed libp2p behaviour: Kademlia (records + providers), identify (learn peers' listen addresses and
-//! protocols), ping (liveness and RTT for server selection) and libp2p-stream (raw inference streams).
+//! protocols), ping (liveness and RTT for server selection), libp2p-stream (raw inference streams), and what makes
+//! peers behind NAT reachable ([`crate::reachability`]): AutoNAT, the circuit-relay client and server, and DCUtR.
 
 use std::time::Duration;
 
 use libp2p::{
-    identify,
+    autonat, dcutr, identify,
     identity::Keypair,
     kad::{self, store::MemoryStore, store::MemoryStoreConfig},
-    ping,
-    swarm::NetworkBehaviour,
+    ping, relay,
+    swarm::{behaviour::toggle::Toggle, NetworkBehaviour},
     StreamProtocol,
 };
 
-use crate::NetConfig;
+use crate::{reachability::RelayLimits, NetConfig};
 
 /// Kademlia protocol name. Distinct from the IPFS DHT so a Petal node never joins (or pollutes) the public one.
 pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/petal/kad/1.0.0");
@@ -29,11 +30,24 @@ pub struct PetalBehaviour {
     pub identify: identify::Behaviour,
     pub ping: ping::Behaviour,
     pub stream: libp2p_stream::Behaviour,
+    /// Listening and dialing through relays (`/p2p-circuit` addresses).
+    pub relay_client: relay::client::Behaviour,
+    /// Relaying for peers behind NAT: on unless `--no-relay`.
+    pub relay_server: Toggle<relay::Behaviour>,
+    /// Upgrades relayed connections to direct ones (hole punching).
+    pub dcutr: dcutr::Behaviour,
+    /// Learns whether this node is reachable (servers only: a client never needs to be dialed).
+    pub autonat: Toggle<autonat::Behaviour>,
 }
 
 impl PetalBehaviour {
-    /// Builds the behaviour for `keypair` with the DHT timings derived from `config.record_ttl`.
-    pub fn new(keypair: &Keypair, config: &NetConfig) -> Self {
+    /// Builds the behaviour for `keypair` with the DHT timings derived from `config.record_ttl`; `relay_client`
+    /// comes from the transport builder, which pairs it with the relay transport.
+    pub fn new(
+        keypair: &Keypair,
+        relay_client: relay::client::Behaviour,
+        config: &NetConfig,
+    ) -> Self {
         let peer_id = keypair.public().to_peer_id();
         let ttl = config.record_ttl.max(Duration::from_millis(300));
 
@@ -86,6 +100,54 @@ impl PetalBehaviour {
             identify,
             ping,
             stream: libp2p_stream::Behaviour::new(),
+            relay_client,
+            relay_server: Toggle::from(
+                config
+                    .relay
+                    .as_ref()
+                    .map(|limits| relay::Behaviour::new(peer_id, relay_config(limits))),
+            ),
+            dcutr: dcutr::Behaviour::new(peer_id),
+            autonat: Toggle::from(
+                config
+                    .dht_server
+                    .then(|| autonat::Behaviour::new(peer_id, autonat_config())),
+            ),
         }
+    }
+}
+
+/// The relay server's limits, with per-peer rate limits loose enough for a client that opens a session per hop
+/// and retries (libp2p's defaults allow one circuit per peer every two minutes).
+fn relay_config(limits: &RelayLimits) -> relay::Config {
+    let per_minute = |n: u32| std::num::NonZeroU32::new(n).unwrap_or(std::num::NonZeroU32::MIN);
+    relay::Config {
+        max_reservations: limits.max_reservations,
+        max_reservations_per_peer: 4,
+        reservation_duration: Duration::from_secs(60 * 60),
+        reservation_rate_limiters: vec![],
+        max_circuits: limits.max_circuits,
+        max_circuits_per_peer: limits.max_circuits_per_peer,
+        max_circuit_duration: limits.max_circuit_duration,
+        max_circuit_bytes: limits.max_circuit_bytes,
+        circuit_src_rate_limiters: vec![],
+    }
+    .reservation_rate_per_peer(per_minute(30), Duration::from_secs(60))
+    .circuit_src_per_peer(per_minute(120), Duration::from_secs(60))
+}
+
+/// AutoNAT probing: the first probe soon after start (a node wants to know before it announces for long), then
+/// every 10 s until two answers agree, then every 5 minutes. Private addresses count: swarms on a LAN or in
+/// containers are real swarms, and a peer that dials us back on a private address did reach us.
+fn autonat_config() -> autonat::Config {
+    autonat::Config {
+        timeout: Duration::from_secs(10),
+        boot_delay: Duration::from_secs(1),
+        retry_interval: Duration::from_secs(10),
+        refresh_interval: Duration::from_secs(5 * 60),
+        throttle_server_period: Duration::from_secs(5),
+        confidence_max: 2,
+        only_global_ips: false,
+        ..autonat::Config::default()
     }
 }

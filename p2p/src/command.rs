@@ -65,6 +65,16 @@ pub(crate) enum Command {
     ConnectedPeers {
         reply: Reply<Vec<PeerId>>,
     },
+    /// Closes every connection to `peer`; answered once they are all gone.
+    Disconnect {
+        peer: PeerId,
+        reply: Reply<()>,
+    },
+    /// Whether the connection to `peer` is direct or relayed (`None`: not connected).
+    Path {
+        peer: PeerId,
+        reply: Reply<Option<crate::reachability::ConnectionPath>>,
+    },
     Shutdown {
         reply: Reply<()>,
     },

@@ -4,6 +4,8 @@ use std::time::Duration;
 
 use libp2p::{identity::Keypair, Multiaddr};
 
+use crate::reachability::RelayLimits;
+
 /// Default lifetime of DHT records and provider records.
 pub const DEFAULT_RECORD_TTL: Duration = Duration::from_secs(60);
 /// Default time an unused connection is kept open. Long enough that a client between two generation steps, or a
@@ -31,10 +33,18 @@ pub struct NetConfig {
     pub record_ttl: Duration,
     /// How long a connection with no open streams or pending queries stays open.
     pub idle_connection_timeout: Duration,
+    /// Addresses this node is reachable at that it cannot see itself (a port forward, a container's published
+    /// port, a DNS name): announced as confirmed external addresses.
+    pub announce: Vec<Multiaddr>,
+    /// Run a circuit-relay server with these limits, so peers behind NAT can be reached through this one
+    /// (`None`: no relay). Relaying only helps when this node is itself reachable.
+    pub relay: Option<RelayLimits>,
+    /// Reserve slots on relays and listen through them when AutoNAT finds this node unreachable (servers).
+    pub use_relays: bool,
 }
 
 impl NetConfig {
-    /// A client-style config: no listeners, no bootstrap peers, DHT client mode, 60 s record TTL.
+    /// A client-style config: no listeners, no bootstrap peers, DHT client mode, 60 s record TTL, no relay.
     pub fn new(keypair: Keypair) -> Self {
         NetConfig {
             keypair,
@@ -43,6 +53,9 @@ impl NetConfig {
             dht_server: false,
             record_ttl: DEFAULT_RECORD_TTL,
             idle_connection_timeout: DEFAULT_IDLE_CONNECTION_TIMEOUT,
+            announce: Vec::new(),
+            relay: None,
+            use_relays: false,
         }
     }
 }

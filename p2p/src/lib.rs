@@ -18,6 +18,7 @@ mod config;
 mod error;
 pub mod identity;
 mod network;
+pub mod reachability;
 pub mod records;
 
 pub use announcer::{Announcer, AnnouncerHandle};
@@ -26,6 +27,7 @@ pub use config::{NetConfig, DEFAULT_IDLE_CONNECTION_TIMEOUT, DEFAULT_RECORD_TTL}
 pub use error::NetError;
 pub use identity::{generate_to_file, load_from_file};
 pub use network::{inference_protocol, Network, OPEN_STREAM_TIMEOUT};
+pub use reachability::{ConnectionPath, NatStatus, Reachability, RelayLimits};
 pub use records::{find_servers, is_live, model_key, now_unix_ms, server_key, SERVERS_KEY};
 
 /// Re-exported so callers need not depend on libp2p directly for the types in this API.

@@ -13,6 +13,7 @@ use crate::{
     actor::Actor,
     behaviour::PetalBehaviour,
     command::{Command, Reply},
+    reachability::{ConnectionPath, Reachability, ReachabilityState},
     NetConfig, NetError,
 };
 
@@ -35,6 +36,7 @@ pub struct Network {
     commands: mpsc::Sender<Command>,
     control: libp2p_stream::Control,
     peer_id: PeerId,
+    reachability: tokio::sync::watch::Receiver<Reachability>,
 }
 
 impl std::fmt::Debug for Network {
@@ -68,7 +70,12 @@ fn build_swarm(config: &NetConfig) -> Result<Swarm<PetalBehaviour>, NetError> {
         )
         .map_err(|e| NetError::Transport(format!("tcp/noise: {e}")))?
         .with_quic()
-        .with_behaviour(|key| PetalBehaviour::new(key, config))
+        // /dns4 and /dns6 addresses (compose service names, `--announce-addr` host names).
+        .with_dns()
+        .map_err(|e| NetError::Transport(format!("dns: {e}")))?
+        .with_relay_client(noise::Config::new, yamux::Config::default)
+        .map_err(|e| NetError::Transport(format!("relay client: {e}")))?
+        .with_behaviour(|key, relay_client| PetalBehaviour::new(key, relay_client, config))
         .map_err(|e| NetError::Transport(format!("behaviour: {e}")))?
         .with_swarm_config(|c| c.with_idle_connection_timeout(config.idle_connection_timeout))
         .build();
@@ -92,10 +99,23 @@ impl Network {
             bootstrap.push((peer, addr.clone()));
         }
 
-        let swarm = build_swarm(&config)?;
+        let mut swarm = build_swarm(&config)?;
+        if config.dht_server && config.use_relays {
+            // A server that may sit behind NAT answers DHT queries only once AutoNAT finds it reachable, so peers
+            // never learn it as a DHT server they cannot dial. Bootstrap peers (no relays to use) serve at once.
+            swarm
+                .behaviour_mut()
+                .kad
+                .set_mode(Some(libp2p::kad::Mode::Client));
+        }
+        for addr in &config.announce {
+            swarm.add_external_address(addr.clone());
+        }
         let control = swarm.behaviour().stream.new_control();
         let (commands, receiver) = mpsc::channel(COMMAND_QUEUE);
-        let mut actor = Actor::new(swarm, receiver, bootstrap);
+        let reach = ReachabilityState::new(config.use_relays, &config.announce);
+        let reachability = reach.subscribe();
+        let mut actor = Actor::new(swarm, receiver, bootstrap, reach, config.dht_server);
         actor.listen(&config.listen, LISTEN_TIMEOUT).await?;
         actor.connect_bootstrap();
         tracing::info!(%peer_id, dht_server = config.dht_server, "network started");
@@ -104,6 +124,7 @@ impl Network {
             commands,
             control,
             peer_id,
+            reachability,
         })
     }
 
@@ -286,6 +307,29 @@ impl Network {
             .await
             .ok()
             .flatten()
+    }
+
+    /// Whether this node is reachable (AutoNAT), its confirmed external addresses and its relayed ones; changes
+    /// are published as they happen.
+    pub fn reachability(&self) -> tokio::sync::watch::Receiver<Reachability> {
+        self.reachability.clone()
+    }
+
+    /// How the connection to `peer` travels: directly, or through a relay (`None`: not connected).
+    pub async fn connection_path(&self, peer: PeerId) -> Option<ConnectionPath> {
+        self.request(|reply| Command::Path { peer, reply })
+            .await
+            .ok()
+            .flatten()
+    }
+
+    /// Closes every connection to `peer` and waits (at most `timeout`) until they are gone, so the next
+    /// [`Network::open_stream`] dials afresh instead of reusing a connection that is breaking.
+    pub async fn disconnect(&self, peer: PeerId, timeout: Duration) {
+        let closed = self.request(|reply| Command::Disconnect { peer, reply });
+        if tokio::time::timeout(timeout, closed).await.is_err() {
+            tracing::debug!(%peer, "connections still closing; going on");
+        }
     }
 
     /// Peers with at least one open connection.

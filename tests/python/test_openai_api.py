@@ -1,5 +1,10 @@
 """`petal api` through the official `openai` Python client.
 
+Basic fields, and what real clients also send or read: `stream_options`, `stop` lists, `seed`, `logprobs` and
+`top_logprobs`, `presence_penalty`/`frequency_penalty`, `max_completion_tokens`, `user`, `tools` they do not need,
+`system_fingerprint`; the fields that change an answer's meaning and cannot be honoured (`n` > 1, a forced
+`tool_choice`, ...) are refused OpenAI-style. Also `/health`, CORS (`--cors-origin`) and the chat page at `/`.
+
 Starts `target/release/petal api` (and, for one test, a real loopback swarm of `petal-node` processes) as
 subprocesses and talks to it as any OpenAI client would. Build first: `cargo build --release --workspace --bins`;
 run with `scripts/test-api`. Binaries come from $PETAL_BIN_DIR (default target/release), models from $PETAL_MODELS
@@ -8,8 +13,10 @@ run with `scripts/test-api`. Binaries come from $PETAL_BIN_DIR (default target/r
 
 import concurrent.futures
 import json
+import math
 import os
 import queue
+import re
 import signal
 import subprocess
 import tempfile
@@ -357,6 +364,14 @@ def test_swarm_api_matches_local(stories):
         with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
             texts = list(pool.map(lambda _: api.client.completions.create(**kwargs).choices[0].text, range(2)))
         assert texts == [local.choices[0].text] * 2
+        # The answer's route names both nodes and their blocks, streamed and not.
+        route = remote.model_extra["petal"]["route"]
+        assert len(route) == 2 and route[0].startswith("node1(") and route[0].endswith("[0..3]"), route
+        assert route[1].startswith("node2(") and route[1].endswith("[3..5]"), route
+        assert remote.model_extra["petal"]["local"] is False
+        assert remote.model_extra["petal"]["bytes_on_wire"] > 0
+        last = [c for c in api.client.completions.create(**kwargs, stream=True) if c.choices][-1]
+        assert last.model_extra["petal"]["route"] == route
         # Without the nodes the swarm cannot serve: 503 with the reason.
         for node in procs[1:3]:
             node.stop()
@@ -371,3 +386,248 @@ def test_swarm_api_matches_local(stories):
     finally:
         for p in procs:
             p.stop()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What real clients send beyond the basics.
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+STORY = [{"role": "user", "content": "Tell me a story about a cat."}]
+
+
+def get_raw(url, headers=None, method="GET"):
+    """(status, headers, body bytes) of a request, error statuses included."""
+    request = urllib.request.Request(url, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as r:
+            return r.status, r.headers, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read()
+
+
+def test_health(smol):
+    status, _, body = get_raw(f"{smol.url}/health")
+    health = json.loads(body)
+    assert status == 200 and health["status"] == "ok", health
+    assert health["model"] == SMOL_NAME and health["local"] is True
+    assert health["system_fingerprint"].startswith("petal-")
+
+
+def test_system_fingerprint(smol):
+    r = smol.client.chat.completions.create(model=SMOL_NAME, messages=CHAT, max_tokens=4, temperature=0)
+    assert r.system_fingerprint and r.system_fingerprint.startswith("petal-"), r.system_fingerprint
+    chunks = list(smol.client.chat.completions.create(model=SMOL_NAME, messages=CHAT, max_tokens=4, temperature=0,
+                                                      stream=True))
+    assert {c.system_fingerprint for c in chunks} == {r.system_fingerprint}
+    health = json.loads(get_raw(f"{smol.url}/health")[2])
+    assert health["system_fingerprint"] == r.system_fingerprint
+
+
+def test_petal_report(smol):
+    """The extra `petal` object: route (empty when local), speed, failovers; in the last streamed chunk too."""
+    r = smol.client.chat.completions.create(model=SMOL_NAME, messages=CHAT, max_tokens=16, temperature=0)
+    petal = r.model_extra["petal"]
+    assert petal["route"] == [] and petal["local"] is True
+    assert petal["tokens_per_second"] > 0 and petal["first_token_ms"] > 0
+    assert petal["total_ms"] >= petal["first_token_ms"]
+    assert petal["failovers"] == [] and petal["completion_tokens"] == r.usage.completion_tokens
+    chunks = list(smol.client.chat.completions.create(model=SMOL_NAME, messages=CHAT, max_tokens=16, temperature=0,
+                                                      stream=True, stream_options={"include_usage": True}))
+    with_petal = [c for c in chunks if "petal" in (c.model_extra or {})]
+    assert len(with_petal) == 1 and with_petal[0].choices[0].finish_reason == "stop"
+    assert chunks[-1].usage.completion_tokens == with_petal[0].model_extra["petal"]["completion_tokens"]
+
+
+def test_chat_stop_list_and_max_completion_tokens(smol):
+    full = smol.client.chat.completions.create(model=SMOL_NAME, messages=CHAT, max_tokens=32, temperature=0)
+    text = full.choices[0].message.content
+    assert "Paris" in text, text
+    r = smol.client.chat.completions.create(model=SMOL_NAME, messages=CHAT, max_tokens=32, temperature=0,
+                                            stop=["never appears", "Paris", "zzz"])
+    assert r.choices[0].message.content == text[:text.index("Paris")]
+    assert r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in smol.client.chat.completions.create(
+        model=SMOL_NAME, messages=CHAT, max_tokens=32, temperature=0, stop=["Paris"], stream=True) if c.choices)
+    assert streamed == r.choices[0].message.content
+    r = smol.client.chat.completions.create(model=SMOL_NAME, messages=STORY, max_completion_tokens=5, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+
+
+def test_chat_seed_reproducible(smol):
+    kwargs = dict(model=SMOL_NAME, messages=STORY, max_tokens=24, temperature=1.0)
+    a = smol.client.chat.completions.create(**kwargs, seed=11).choices[0].message.content
+    b = smol.client.chat.completions.create(**kwargs, seed=11).choices[0].message.content
+    assert a == b
+    others = {smol.client.chat.completions.create(**kwargs, seed=s).choices[0].message.content for s in (12, 13, 14)}
+    assert others != {a}, "different seeds should sample differently"
+
+
+def check_chat_logprobs(entries, k, greedy):
+    for e in entries:
+        assert e.logprob <= 0
+        assert bytes(e.bytes).decode("utf-8", errors="replace") == e.token
+        top = [t.logprob for t in e.top_logprobs]
+        assert len(top) == k
+        assert top == sorted(top, reverse=True), top
+        assert sum(math.exp(lp) for lp in top) <= 1 + 1e-5, top
+        if greedy:
+            assert e.top_logprobs[0].token == e.token
+            assert e.top_logprobs[0].logprob == e.logprob
+
+
+def test_chat_logprobs(smol):
+    kwargs = dict(model=SMOL_NAME, messages=CHAT, max_tokens=32, temperature=0, logprobs=True, top_logprobs=5)
+    r = smol.client.chat.completions.create(**kwargs)
+    content = r.choices[0].message.content
+    entries = r.choices[0].logprobs.content
+    check_chat_logprobs(entries, 5, greedy=True)
+    # One entry per token of the text (the end-of-turn token that ended it is not part of it).
+    assert "".join(e.token for e in entries) == content
+    assert r.choices[0].finish_reason == "stop" and len(entries) == r.usage.completion_tokens - 1
+    # Streamed: the same entries, spread over the chunks.
+    chunks = list(smol.client.chat.completions.create(**kwargs, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+    # Each chunk carries the entries of the text it holds.
+    for c in chunks:
+        if c.choices and c.choices[0].delta.content:
+            assert "".join(e.token for e in c.choices[0].logprobs.content) == c.choices[0].delta.content
+    # Sampling reports the model's distribution too: the chosen token's logprob is among the real ones.
+    sampled = smol.client.chat.completions.create(model=SMOL_NAME, messages=STORY, max_tokens=16, temperature=1.0,
+                                                  seed=3, logprobs=True, top_logprobs=20)
+    check_chat_logprobs(sampled.choices[0].logprobs.content, 20, greedy=False)
+    # Without top_logprobs: the chosen token's only; without logprobs: none.
+    r = smol.client.chat.completions.create(model=SMOL_NAME, messages=CHAT, max_tokens=4, temperature=0,
+                                            logprobs=True)
+    assert all(e.top_logprobs == [] for e in r.choices[0].logprobs.content)
+    r = smol.client.chat.completions.create(model=SMOL_NAME, messages=CHAT, max_tokens=4, temperature=0)
+    assert r.choices[0].logprobs is None
+
+
+def test_completion_logprobs(stories):
+    kwargs = dict(model=STORIES_NAME, prompt="Once upon a time", max_tokens=16, temperature=0, logprobs=3)
+    r = stories.client.completions.create(**kwargs)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 16
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3 and logprob <= 0
+        assert max(top.values()) == logprob == top[token]  # greedy: the chosen token is the likeliest
+        assert sum(math.exp(v) for v in top.values()) <= 1 + 1e-5
+    chunks = list(stories.client.completions.create(**kwargs, stream=True))
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == lp.tokens
+    assert [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+
+
+def test_penalties_change_the_answer(smol):
+    kwargs = dict(model=SMOL_NAME, messages=STORY, max_tokens=48, temperature=0)
+    plain = smol.client.chat.completions.create(**kwargs).choices[0].message.content
+    same = smol.client.chat.completions.create(**kwargs, presence_penalty=0, frequency_penalty=0)
+    assert same.choices[0].message.content == plain, "zero penalties are no penalties"
+    presence = smol.client.chat.completions.create(**kwargs, presence_penalty=2.0).choices[0].message.content
+    frequency = smol.client.chat.completions.create(**kwargs, frequency_penalty=2.0).choices[0].message.content
+    assert presence != plain and frequency != plain
+    msgs = [{"role": "user", "content": "hi"}]
+    for field, value in [("presence_penalty", 2.5), ("presence_penalty", -2.1), ("frequency_penalty", 3),
+                         ("frequency_penalty", -10)]:
+        with pytest.raises(openai.BadRequestError) as e:
+            smol.client.chat.completions.create(model=SMOL_NAME, messages=msgs, max_tokens=2, **{field: value})
+        assert error_of(e)["param"] == field and error_of(e)["type"] == "invalid_request_error"
+
+
+def test_unsupported_fields_that_change_meaning_are_refused(smol):
+    c = smol.client
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=SMOL_NAME, messages=msgs, n=2)
+    assert error_of(e)["param"] == "n" and error_of(e)["type"] == "invalid_request_error"
+    assert "n=1" in error_of(e)["message"]
+    for choice in ["required", {"type": "function", "function": {"name": "get_weather"}}]:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=SMOL_NAME, messages=msgs, tools=tools, tool_choice=choice)
+        assert error_of(e)["param"] == "tool_choice" and error_of(e)["type"] == "invalid_request_error"
+        assert "tool" in error_of(e)["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=SMOL_NAME, messages=msgs, response_format={"type": "json_object"})
+    assert error_of(e)["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=SMOL_NAME, messages=msgs, logit_bias={"42": 10})
+    assert error_of(e)["param"] == "logit_bias"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=SMOL_NAME, messages=msgs, logprobs=True, top_logprobs=21)
+    assert error_of(e)["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=SMOL_NAME, messages=msgs, top_logprobs=3)
+    assert error_of(e)["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=SMOL_NAME, prompt="x", logprobs=-1)
+    assert error_of(e)["param"] == "logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=SMOL_NAME, prompt="x", best_of=2)
+    assert error_of(e)["param"] == "best_of"
+
+
+def test_harmless_fields_are_accepted(smol):
+    tools = [{"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}]
+    plain = smol.client.chat.completions.create(model=SMOL_NAME, messages=CHAT, max_tokens=16, temperature=0)
+    for extra in [dict(user="user-1234"), dict(tools=tools), dict(tools=tools, tool_choice="auto"),
+                  dict(tools=tools, tool_choice="none", parallel_tool_calls=False), dict(response_format={"type": "text"}),
+                  dict(logit_bias={}, n=1, store=False, metadata={"k": "v"}, stream_options=None, logprobs=False)]:
+        r = smol.client.chat.completions.create(model=SMOL_NAME, messages=CHAT, max_tokens=16, temperature=0, **extra)
+        assert r.choices[0].message.content == plain.choices[0].message.content, extra
+        assert r.choices[0].message.tool_calls is None
+
+
+def test_chat_page_is_served(smol):
+    status, headers, body = get_raw(f"{smol.url}/")
+    html = body.decode()
+    assert status == 200 and headers["Content-Type"].startswith("text/html"), headers
+    assert "<title>Petal chat</title>" in html and "/v1/chat/completions" in html
+    assert "AbortController" in html and "getReader" in html  # streams, and can stop
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html), "the page must load nothing from elsewhere"
+
+
+def test_no_cors_without_the_flag(smol):
+    status, headers, _ = get_raw(f"{smol.url}/v1/models", headers={"Origin": "http://example.test"})
+    assert status == 200 and headers.get("Access-Control-Allow-Origin") is None
+
+
+def test_cors_origin():
+    api = Api("api-cors", ["--local", "--model", STORIES, "--cors-origin", "http://example.test",
+                           "--cors-origin", "http://localhost:3000"])
+    try:
+        preflight = {"Origin": "http://example.test", "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "content-type, authorization"}
+        status, headers, _ = get_raw(f"{api.url}/v1/chat/completions", headers=preflight, method="OPTIONS")
+        assert status == 200, status
+        assert headers["Access-Control-Allow-Origin"] == "http://example.test"
+        assert "POST" in headers["Access-Control-Allow-Methods"]
+        allowed = headers["Access-Control-Allow-Headers"].lower()
+        assert "content-type" in allowed and "authorization" in allowed
+        # A real request from an allowed origin gets the header; another origin does not.
+        body = json.dumps({"model": STORIES_NAME, "prompt": "Once", "max_tokens": 2}).encode()
+        request = urllib.request.Request(f"{api.url}/v1/completions", data=body, method="POST", headers={
+            "Content-Type": "application/json", "Origin": "http://localhost:3000"})
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as r:
+            assert r.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+        status, headers, _ = get_raw(f"{api.url}/v1/models", headers={"Origin": "http://evil.test"})
+        assert status == 200 and headers.get("Access-Control-Allow-Origin") is None
+        status, headers, _ = get_raw(f"{api.url}/v1/models", headers={"Origin": "http://example.test"})
+        assert headers["Access-Control-Allow-Origin"] == "http://example.test"
+    finally:
+        api.proc.stop()
+    # `*`: any origin.
+    api = Api("api-cors-any", ["--local", "--model", STORIES, "--cors-origin", "*"])
+    try:
+        status, headers, _ = get_raw(f"{api.url}/health", headers={"Origin": "http://anything.test"})
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == "*"
+    finally:
+        api.proc.stop()
+    # A malformed origin is refused at startup.
+    out = subprocess.run([str(binary("petal")), "api", "--local", "--model", str(STORIES), "--listen", "127.0.0.1:0",
+                          "--cors-origin", "example.test"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "--cors-origin" in out.stderr, out.stderr

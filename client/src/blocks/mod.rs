@@ -7,7 +7,7 @@ mod remote;
 pub use local::{LocalSpans, LocalSpansSession};
 pub use remote::RemoteChain;
 
-use crate::chain::{Failover, HopTiming};
+use crate::chain::{Failover, HopTiming, RouteHop};
 use crate::error::Result;
 use candle_core::Tensor;
 use futures::future::BoxFuture;
@@ -31,6 +31,11 @@ pub trait BlockSession: Send {
 
     /// `name(peer)[a..b]` per hop through the swarm; empty when the blocks run here.
     fn route(&self) -> Vec<String> {
+        vec![]
+    }
+
+    /// Each hop's server, blocks and path (direct or relayed); empty when the blocks run here.
+    fn hops(&self) -> Vec<RouteHop> {
         vec![]
     }
 

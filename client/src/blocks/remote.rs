@@ -1,6 +1,6 @@
 //! The blocks on a chain of servers found through the swarm.
 use super::{BlockSession, BlocksOutput, ModelBlocks};
-use crate::chain::{ChainConfig, ChainSession, Failover};
+use crate::chain::{ChainConfig, ChainSession, Failover, RouteHop};
 use crate::error::Result;
 use crate::swarm::SwarmClient;
 use candle_core::Tensor;
@@ -80,6 +80,10 @@ impl BlockSession for ChainSession {
 
     fn route(&self) -> Vec<String> {
         ChainSession::route(self)
+    }
+
+    fn hops(&self) -> Vec<RouteHop> {
+        ChainSession::hops(self)
     }
 
     fn bytes_on_wire(&self) -> u64 {

@@ -2,7 +2,7 @@
 //! through the swarm, one-shot, chat, API, bench) drives this one machine, so they sample, stop and detokenise
 //! identically.
 use crate::error::Result;
-use crate::text::sampling::{Sampler, SamplingParams};
+use crate::text::sampling::{logprobs, Sampler, SamplingParams, TokenLogprob};
 use crate::text::stream::{StopMatcher, TextStream};
 use crate::text::tokenizer::Tokenizer;
 use candle_core::Tensor;
@@ -18,6 +18,10 @@ pub struct GenerationConfig {
     /// Keep generating past end-of-sequence tokens (benchmarks, fixed-length comparisons).
     #[serde(default)]
     pub ignore_eos: bool,
+    /// Report each step's log-probabilities ([`Step::logprob`]): `Some(k)` gives the chosen token's and the `k`
+    /// most likely tokens' (`Some(0)`: the chosen token's only); `None` computes nothing.
+    #[serde(default)]
+    pub logprobs: Option<usize>,
 }
 
 impl Default for GenerationConfig {
@@ -27,6 +31,7 @@ impl Default for GenerationConfig {
             sampling: SamplingParams::default(),
             stop: vec![],
             ignore_eos: false,
+            logprobs: None,
         }
     }
 }
@@ -49,6 +54,8 @@ pub struct Step {
     /// Text completed by this token (possibly empty while a character or a possible stop string is pending).
     pub text: String,
     pub finished: Option<FinishReason>,
+    /// The step's log-probabilities in the model's distribution, when [`GenerationConfig::logprobs`] asks.
+    pub logprob: Option<TokenLogprob>,
 }
 
 pub struct Generation<'t> {
@@ -61,6 +68,7 @@ pub struct Generation<'t> {
     generated: Vec<u32>,
     max_new_tokens: usize,
     finished: Option<FinishReason>,
+    logprobs: Option<usize>,
 }
 
 impl<'t> Generation<'t> {
@@ -82,6 +90,7 @@ impl<'t> Generation<'t> {
             generated: vec![],
             max_new_tokens: config.max_new_tokens,
             finished: (config.max_new_tokens == 0).then_some(FinishReason::Length),
+            logprobs: config.logprobs,
         })
     }
 
@@ -102,6 +111,10 @@ impl<'t> Generation<'t> {
             logits.clone()
         };
         let token = self.sampler.sample(&logits, &self.history)?;
+        let logprob = match self.logprobs {
+            Some(top) => Some(logprobs(&logits, token, top)?),
+            None => None,
+        };
         self.history.push(token);
         let mut text = String::new();
         if self.eos.contains(&token) {
@@ -147,6 +160,7 @@ impl<'t> Generation<'t> {
             token,
             text,
             finished: self.finished,
+            logprob,
         })
     }
 }

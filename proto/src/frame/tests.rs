@@ -34,6 +34,8 @@ fn sample_record() -> pb::ServerRecord {
         cache_tokens_total: 4096,
         petal_version: "0.1.0".into(),
         public_name: "alice".into(),
+        reachability: "public".into(),
+        relay: true,
         devices: vec![pb::DeviceInfo {
             device: "cuda:0".into(),
             start_block: 0,

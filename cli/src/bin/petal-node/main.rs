@@ -5,7 +5,7 @@ use petal_cli::seconds::{positive_seconds, seconds};
 use petal_model::compute::placement::{parse_dtype, DeviceSpec};
 use petal_model::BlockRange;
 use petal_node::{devices, Node, NodeConfig};
-use petal_p2p::{Keypair, Multiaddr};
+use petal_p2p::{Keypair, Multiaddr, RelayLimits};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -49,6 +49,25 @@ struct NetArgs {
     /// How long DHT records live without a refresh (a killed node disappears within this).
     #[arg(long, default_value = "60", value_parser = positive_seconds)]
     record_ttl: Duration,
+    /// An address this node is reachable at that it cannot see itself (repeatable): a port forward on the NAT
+    /// router, a container's published port, a DNS name, e.g. /ip4/203.0.113.7/tcp/31337 or /dns4/node.example/tcp/31337.
+    #[arg(long = "announce-addr", value_name = "MULTIADDR")]
+    announce: Vec<Multiaddr>,
+    /// Do not relay for peers behind NAT (a reachable node relays by default).
+    #[arg(long)]
+    no_relay: bool,
+    /// Relayed connections this node carries at once.
+    #[arg(long, default_value_t = RelayLimits::default().max_circuits)]
+    relay_max_circuits: usize,
+    /// Peers behind NAT holding a slot on this relay at once.
+    #[arg(long, default_value_t = RelayLimits::default().max_reservations)]
+    relay_max_reservations: usize,
+    /// Seconds one relayed connection may last (a client reconnects, with replay, when it ends).
+    #[arg(long, default_value = "3600", value_parser = positive_seconds)]
+    relay_circuit_seconds: Duration,
+    /// Bytes one relayed connection may carry in each direction.
+    #[arg(long, default_value_t = RelayLimits::default().max_circuit_bytes)]
+    relay_circuit_bytes: u64,
 }
 
 impl NetArgs {
@@ -56,6 +75,16 @@ impl NetArgs {
         Ok(match &self.identity {
             Some(path) => petal_p2p::load_from_file(path)?,
             None => Keypair::generate_ed25519(),
+        })
+    }
+
+    fn relay(&self) -> Option<RelayLimits> {
+        (!self.no_relay).then(|| RelayLimits {
+            max_reservations: self.relay_max_reservations,
+            max_circuits: self.relay_max_circuits,
+            max_circuits_per_peer: RelayLimits::default().max_circuits_per_peer,
+            max_circuit_duration: self.relay_circuit_seconds,
+            max_circuit_bytes: self.relay_circuit_bytes,
         })
     }
 }
@@ -145,6 +174,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
     config.keypair = args.net.keypair()?;
     config.listen = args.net.listen.clone();
+    config.announce = args.net.announce.clone();
+    config.relay = args.net.relay();
     config.bootstrap = args.bootstrap;
     config.public_name = args.public_name;
     config.cache_tokens = args.cache_tokens;
@@ -173,6 +204,8 @@ async fn bootstrap(args: BootstrapArgs) -> anyhow::Result<()> {
         args.net.keypair()?,
         args.net.listen.clone(),
         args.net.record_ttl,
+        args.net.announce.clone(),
+        args.net.relay(),
     )
     .await?;
     announce_addrs(&net.listen_addrs().await);

@@ -40,6 +40,7 @@ impl SamplingArgs {
             repeat_penalty: self.repeat_penalty,
             repeat_last_n: 64,
             seed: self.seed,
+            ..SamplingParams::default()
         };
         sampling.validate()?;
         Ok(GenerationConfig {
@@ -47,6 +48,7 @@ impl SamplingArgs {
             sampling,
             stop: self.stop.clone(),
             ignore_eos: self.ignore_eos,
+            logprobs: None,
         })
     }
 }

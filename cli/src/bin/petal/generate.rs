@@ -2,6 +2,7 @@
 use crate::args::SamplingArgs;
 use crate::backend::ModelArgs;
 use clap::Args;
+use petal_client::Cost;
 use petal_model::text::prompt::encode_prompt;
 use petal_model::GenerationOutput;
 use std::io::Write;
@@ -45,25 +46,30 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
         client.shutdown().await;
     }
     let completion = completion?;
-    let route = (!loaded.generator.is_local()).then_some(completion.cost.route);
+    let route = (!loaded.generator.is_local()).then_some(&completion.cost);
     print_output(&completion.output, route, args.json)
 }
 
-fn print_output(
-    output: &GenerationOutput,
-    route: Option<Vec<String>>,
-    json: bool,
-) -> anyhow::Result<()> {
+/// Prints the result; `swarm` is the completion's cost when it went through the swarm (route and hops shown).
+fn print_output(output: &GenerationOutput, swarm: Option<&Cost>, json: bool) -> anyhow::Result<()> {
     if json {
         let mut v = serde_json::to_value(output)?;
-        if let (Some(route), Some(obj)) = (route, v.as_object_mut()) {
-            obj.insert("route".into(), serde_json::json!(route));
+        if let (Some(cost), Some(obj)) = (swarm, v.as_object_mut()) {
+            obj.insert("route".into(), serde_json::json!(cost.route));
+            obj.insert("hops".into(), serde_json::to_value(&cost.hops)?);
+            obj.insert("failovers".into(), serde_json::to_value(&cost.failovers)?);
         }
         println!("{v}");
     } else {
         println!();
-        if let Some(route) = route {
-            eprintln!("route: {}", route.join(" -> "));
+        if let Some(cost) = swarm {
+            let hops: Vec<String> = cost
+                .route
+                .iter()
+                .zip(&cost.hops)
+                .map(|(r, h)| format!("{r} {}", h.path))
+                .collect();
+            eprintln!("route: {}", hops.join(" -> "));
         }
         eprintln!(
             "{} prompt tokens, {} generated ({:?}), {:.1} tokens/s, first token {:.0} ms",

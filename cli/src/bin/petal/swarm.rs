@@ -40,8 +40,16 @@ pub async fn run(args: SwarmArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "{:<40} {:<54} {:<10} {:>7} {:<5} {:<22} {:>9} {:>11}",
-        "MODEL", "PEER", "NAME", "BLOCKS", "DTYPE", "DEVICES", "TOKENS/S", "FREE CACHE"
+        "{:<40} {:<54} {:<10} {:>7} {:<5} {:<22} {:>9} {:>11} {:<13}",
+        "MODEL",
+        "PEER",
+        "NAME",
+        "BLOCKS",
+        "DTYPE",
+        "DEVICES",
+        "TOKENS/S",
+        "FREE CACHE",
+        "REACHABILITY"
     );
     for s in &servers {
         let devices: Vec<String> = s
@@ -50,7 +58,7 @@ pub async fn run(args: SwarmArgs) -> anyhow::Result<()> {
             .map(|d| format!("{}[{}..{}]", d.device, d.start_block, d.end_block))
             .collect();
         println!(
-            "{:<40} {:<54} {:<10} {:>7} {:<5} {:<22} {:>9.1} {:>11}",
+            "{:<40} {:<54} {:<10} {:>7} {:<5} {:<22} {:>9.1} {:>11} {:<13}",
             s.model_id,
             s.peer_id,
             s.public_name,
@@ -58,10 +66,25 @@ pub async fn run(args: SwarmArgs) -> anyhow::Result<()> {
             dtype_name(s.dtype),
             devices.join(","),
             s.throughput_tokens_per_sec,
-            s.cache_tokens_free
+            s.cache_tokens_free,
+            reachability(s)
         );
     }
     Ok(())
+}
+
+/// AutoNAT's verdict, with "+relay" when the server relays for others.
+fn reachability(s: &pb::ServerRecord) -> String {
+    let status = if s.reachability.is_empty() {
+        "unknown"
+    } else {
+        &s.reachability
+    };
+    if s.relay {
+        format!("{status}+relay")
+    } else {
+        status.to_string()
+    }
 }
 
 fn dtype_name(d: i32) -> &'static str {
@@ -84,6 +107,8 @@ fn record_json(s: &pb::ServerRecord) -> serde_json::Value {
         "cache_tokens_free": s.cache_tokens_free,
         "cache_tokens_total": s.cache_tokens_total,
         "sessions_open": s.sessions_open,
+        "reachability": if s.reachability.is_empty() { "unknown" } else { s.reachability.as_str() },
+        "relay": s.relay,
         "devices": s.devices.iter().map(|d| serde_json::json!({
             "device": d.device, "start_block": d.start_block, "end_block": d.end_block,
             "free_memory_bytes": d.free_memory_bytes, "total_memory_bytes": d.total_memory_bytes,

@@ -42,6 +42,9 @@ pub struct Tokenizer {
     add_bos: bool,
     vocab_size: usize,
     chat_template: Option<ChatTemplate>,
+    /// The decoder maps GPT-2's byte-level characters back to bytes (as opposed to SentencePiece's `▁` and
+    /// `<0xHH>` byte pieces): how [`Tokenizer::token_bytes`] reads a piece.
+    byte_level: bool,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -200,6 +203,27 @@ impl Tokenizer {
 
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
+    }
+
+    /// The bytes one token stands for, as it would appear inside generated text (a SentencePiece `▁the` is
+    /// ` the`, a byte piece `<0x0A>` is `\n`, a byte-level BPE piece may be part of a UTF-8 character). Special
+    /// tokens give their text; an id outside the vocabulary gives nothing.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let Some(piece) = self.inner.id_to_token(id) else {
+            return vec![];
+        };
+        if self.inner.get_added_vocabulary().is_special_token(&piece) {
+            return piece.into_bytes();
+        }
+        if let Some(byte) = byte_piece(&piece) {
+            return vec![byte];
+        }
+        if self.byte_level {
+            if let Some(bytes) = piece.chars().map(byte_level_byte).collect() {
+                return bytes;
+            }
+        }
+        piece.replace('\u{2581}', " ").into_bytes()
     }
 
     /// The underlying Hugging Face tokenizer.
@@ -361,6 +385,10 @@ impl Tokenizer {
                 .map_err(|e| tracing::warn!(error = %e, "ignoring the model's chat template"))
                 .ok()
         });
+        let byte_level = inner
+            .get_decoder()
+            .and_then(|d| serde_json::to_string(d).ok())
+            .is_some_and(|json| json.contains("\"ByteLevel\""));
         Ok(Self {
             inner,
             bos_id,
@@ -368,6 +396,7 @@ impl Tokenizer {
             add_bos,
             vocab_size,
             chat_template,
+            byte_level,
         })
     }
 
@@ -479,6 +508,31 @@ pub(crate) fn from_json_value(spec: &serde_json::Value) -> Result<tokenizers::To
         .map_err(|e| ModelError::Tokenizer(format!("cannot build tokenizer: {e}")))
 }
 
+/// SentencePiece's byte-fallback piece `<0xHH>`.
+fn byte_piece(piece: &str) -> Option<u8> {
+    let hex = piece.strip_prefix("<0x")?.strip_suffix('>')?;
+    if hex.len() != 2 {
+        return None;
+    }
+    u8::from_str_radix(hex, 16).ok()
+}
+
+/// The byte GPT-2's byte-level alphabet writes as `c`: printable bytes stand for themselves, the other 68 are
+/// shifted to U+0100.. in byte order.
+fn byte_level_byte(c: char) -> Option<u8> {
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let code = c as u32;
+    if code < 256 {
+        return printable(code).then_some(code as u8);
+    }
+    let n = code - 256;
+    (0..256u32)
+        .filter(|&b| !printable(b))
+        .nth(n as usize)
+        .map(|b| b as u8)
+}
+
 #[cfg(test)]
 mod tests {
     /// Tokenizers are shared between tasks and threads (the client's sessions, the node's API).
@@ -489,5 +543,29 @@ mod tests {
         assert_send_sync::<crate::text::chat::ChatTemplate>();
         assert_send_sync::<crate::text::sampling::Sampler>();
         assert_send_sync::<crate::text::stream::StopMatcher>();
+    }
+
+    #[test]
+    fn byte_pieces_and_byte_level_alphabet() {
+        assert_eq!(super::byte_piece("<0x0A>"), Some(b'\n'));
+        assert_eq!(super::byte_piece("<0xE2>"), Some(0xE2));
+        assert_eq!(super::byte_piece("<0x0A0>"), None);
+        assert_eq!(super::byte_piece("the"), None);
+        assert_eq!(super::byte_level_byte('a'), Some(b'a'));
+        assert_eq!(super::byte_level_byte('\u{0120}'), Some(b' ')); // Ġ
+        assert_eq!(super::byte_level_byte('\u{010A}'), Some(b'\n')); // Ċ
+        assert_eq!(super::byte_level_byte('\u{0100}'), Some(0));
+        assert_eq!(super::byte_level_byte('\u{0143}'), Some(0xAD)); // the last of the 68 shifted bytes
+        assert_eq!(super::byte_level_byte('\u{0144}'), None);
+        assert_eq!(super::byte_level_byte(' '), None);
+        // Every byte has exactly one character.
+        let mut seen = [false; 256];
+        for c in (0u32..0x200).filter_map(char::from_u32) {
+            if let Some(b) = super::byte_level_byte(c) {
+                assert!(!seen[b as usize], "{b} twice");
+                seen[b as usize] = true;
+            }
+        }
+        assert!(seen.iter().all(|&s| s));
     }
 }

@@ -5,12 +5,14 @@ use super::types::*;
 use petal_model::text::chat::ChatMessage;
 use petal_model::text::decoding::GenerationConfig;
 use petal_model::text::prompt::encode_chat;
-use petal_model::text::sampling::SamplingParams;
+use petal_model::text::sampling::{SamplingParams, MAX_PENALTY};
 use petal_model::text::tokenizer::Tokenizer;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 /// Most stop strings a request may give (OpenAI allows 4).
 const MAX_STOPS: usize = 16;
+/// Most alternatives a request may ask for per token (OpenAI's `top_logprobs` limit).
+const MAX_TOP_LOGPROBS: i64 = 20;
 /// OpenAI's default `max_tokens` for `/v1/completions`; chat completions default to the rest of the context.
 const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
 
@@ -32,6 +34,13 @@ pub struct Job {
     pub include_usage: bool,
 }
 
+impl Job {
+    /// Whether the answer reports log-probabilities.
+    pub fn logprobs(&self) -> bool {
+        self.config.logprobs.is_some()
+    }
+}
+
 /// A `/v1/completions` request: one prompt (text or token ids), encoded with the model's BOS convention.
 pub fn completion_job(
     state: &AppState,
@@ -45,6 +54,16 @@ pub fn completion_job(
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid(Some("suffix"), "suffix is not supported"));
     }
+    if req.best_of.is_some_and(|b| b != 1) {
+        return Err(ApiError::invalid(
+            Some("best_of"),
+            "Only best_of=1 is supported: this server generates one completion per request",
+        ));
+    }
+    let logprobs = req
+        .logprobs
+        .map(|k| top_logprobs(k, "logprobs"))
+        .transpose()?;
     let one = "Only one prompt per request is supported";
     let prompt = match req.prompt {
         Prompt::Text(text) => encode(&state.tokenizer, &text)?,
@@ -68,7 +87,19 @@ pub fn completion_job(
         sampling,
         "prompt",
         Some(COMPLETIONS_DEFAULT_MAX_TOKENS),
+        logprobs,
     )
+}
+
+/// How many alternatives per token: 0..=[`MAX_TOP_LOGPROBS`].
+fn top_logprobs(k: i64, param: &str) -> Result<usize, ApiError> {
+    if !(0..=MAX_TOP_LOGPROBS).contains(&k) {
+        return Err(ApiError::invalid(
+            Some(param),
+            format!("{param} must be between 0 and {MAX_TOP_LOGPROBS}, got {k}"),
+        ));
+    }
+    Ok(k as usize)
 }
 
 fn encode(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, ApiError> {
@@ -100,6 +131,47 @@ pub fn chat_job(
     sampling: &SamplingFields,
 ) -> Result<Job, ApiError> {
     state.check_model(&req.model)?;
+    let logprobs = match (req.logprobs, req.top_logprobs) {
+        (Some(true), k) => Some(top_logprobs(k.unwrap_or(0), "top_logprobs")?),
+        (_, Some(k)) if k != 0 => {
+            return Err(ApiError::invalid(
+                Some("top_logprobs"),
+                "top_logprobs needs logprobs set to true",
+            ))
+        }
+        _ => None,
+    };
+    match &req.tool_choice {
+        None | Some(Value::Null) => {}
+        Some(Value::String(choice)) if choice == "auto" || choice == "none" => {}
+        Some(choice) => {
+            return Err(ApiError::invalid(
+                Some("tool_choice"),
+                format!(
+                    "tool_choice {choice} is not supported: this server answers in text and cannot be made \
+                     to call a tool (tools are accepted with tool_choice \"auto\" or \"none\")"
+                ),
+            ))
+        }
+    }
+    if let Some(tools) = req.tools.as_ref().filter(|t| !t.is_empty()) {
+        tracing::debug!(
+            tools = tools.len(),
+            "tools accepted and not offered to the model: it answers in text"
+        );
+    }
+    if let Some(format) = &req.response_format {
+        let kind = format.get("type").and_then(Value::as_str);
+        if kind != Some("text") {
+            return Err(ApiError::invalid(
+                Some("response_format"),
+                format!(
+                    "response_format {format} is not supported: this server cannot constrain the answer \
+                     to JSON (only {{\"type\": \"text\"}})"
+                ),
+            ));
+        }
+    }
     if req.messages.is_empty() {
         return Err(ApiError::invalid(
             Some("messages"),
@@ -145,7 +217,15 @@ pub fn chat_job(
     }
     let prompt = encode_chat(&state.tokenizer, &messages)
         .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
-    job(state, Endpoint::Chat, prompt, sampling, "messages", None)
+    job(
+        state,
+        Endpoint::Chat,
+        prompt,
+        sampling,
+        "messages",
+        None,
+        logprobs,
+    )
 }
 
 /// Checks the sampling fields against the prompt and the model's context.
@@ -156,18 +236,18 @@ fn job(
     f: &SamplingFields,
     prompt_param: &str,
     default_max_tokens: Option<usize>,
+    logprobs: Option<usize>,
 ) -> Result<Job, ApiError> {
     if f.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::invalid(Some("n"), "Only n=1 is supported"));
-    }
-    let wants_logprobs = |v: &Option<Value>| {
-        v.as_ref()
-            .is_some_and(|v| !(v.is_null() || v == &json!(false) || v == &json!(0)))
-    };
-    if wants_logprobs(&f.logprobs) || wants_logprobs(&f.top_logprobs) {
         return Err(ApiError::invalid(
-            Some("logprobs"),
-            "logprobs are not supported",
+            Some("n"),
+            "Only n=1 is supported: this server generates one choice per request",
+        ));
+    }
+    if f.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+        return Err(ApiError::invalid(
+            Some("logit_bias"),
+            "logit_bias is not supported",
         ));
     }
     let context = state.generator.max_position();
@@ -238,6 +318,15 @@ fn job(
             format!("At most {MAX_STOPS} stop strings are supported"),
         ));
     }
+    let max = MAX_PENALTY as f64;
+    let penalty = |value: Option<f64>, param: &str| match value {
+        None => Ok(0.0),
+        Some(v) if v.is_finite() && (-max..=max).contains(&v) => Ok(v as f32),
+        Some(v) => Err(ApiError::invalid(
+            Some(param),
+            format!("{param} must be between -{max} and {max}, got {v}"),
+        )),
+    };
     let sampling = SamplingParams {
         temperature,
         // vLLM's -1 and llama.cpp's 0 both mean "off".
@@ -245,6 +334,8 @@ fn job(
         top_p,
         repeat_penalty: f.repetition_penalty.unwrap_or(1.0),
         repeat_last_n: 64,
+        presence_penalty: penalty(f.presence_penalty, "presence_penalty")?,
+        frequency_penalty: penalty(f.frequency_penalty, "frequency_penalty")?,
         seed: f.seed.map_or_else(rand::random, |s| s as u64),
     };
     sampling
@@ -263,6 +354,7 @@ fn job(
             sampling,
             stop,
             ignore_eos: false,
+            logprobs,
         },
         stream: f.stream.unwrap_or(false),
         include_usage: f

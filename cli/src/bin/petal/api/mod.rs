@@ -1,11 +1,13 @@
 //! `petal api`: an OpenAI-compatible HTTP server (`GET /v1/models`, `POST /v1/completions`,
 //! `POST /v1/chat/completions`, streaming as server-sent events) generating through the swarm, or with `--local`
-//! through the whole model in this process.
+//! through the whole model in this process; a chat page at `/` (`page.html`, built into the binary) that talks to
+//! the same chat endpoint, and `GET /health`.
 //!
 //! Every request runs in a task of its own on a session of its own (through the swarm: its own chain of server
 //! sessions), so requests are served concurrently; `--max-concurrent` bounds how many generate at once (the rest
 //! wait their turn). A request whose client goes away is aborted and its session freed.
 mod jobs;
+mod report;
 mod routes;
 mod state;
 mod stream;
@@ -16,6 +18,7 @@ use anyhow::Context;
 use clap::Args;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
 
 #[derive(Args, Debug)]
 pub struct ApiArgs {
@@ -30,6 +33,48 @@ pub struct ApiArgs {
     /// Requests generating at once; more wait for a free slot.
     #[arg(long, default_value_t = 8)]
     pub max_concurrent: usize,
+    /// Let web pages from ORIGIN (e.g. `https://chat.example.org`; repeatable; `*` for any) call the API from a
+    /// browser (CORS, preflight included). Without it only the API's own page (same origin) can.
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    pub cors_origins: Vec<String>,
+}
+
+/// The CORS layer `--cors-origin` asks for (none without it): GET/POST from the allowed origins, any request
+/// headers (an `Authorization` header included), preflight answers cached for an hour.
+fn cors_layer(origins: &[String]) -> anyhow::Result<Option<CorsLayer>> {
+    if origins.is_empty() {
+        return Ok(None);
+    }
+    let allow = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        let mut values = Vec::with_capacity(origins.len());
+        for origin in origins {
+            let trimmed = origin.trim_end_matches('/');
+            let scheme_ok = trimmed.starts_with("http://") || trimmed.starts_with("https://");
+            let host = trimmed.split_once("://").map_or("", |(_, rest)| rest);
+            anyhow::ensure!(
+                scheme_ok && !host.is_empty() && !host.contains('/'),
+                "--cors-origin {origin:?} is not an origin: give scheme://host[:port], e.g. http://localhost:3000, or *"
+            );
+            values.push(trimmed.parse().with_context(|| {
+                format!("--cors-origin {origin:?} is not a valid header value")
+            })?);
+        }
+        AllowOrigin::list(values)
+    };
+    let methods = [
+        axum::http::Method::GET,
+        axum::http::Method::POST,
+        axum::http::Method::OPTIONS,
+    ];
+    Ok(Some(
+        CorsLayer::new()
+            .allow_origin(allow)
+            .allow_methods(methods)
+            .allow_headers(AllowHeaders::mirror_request())
+            .max_age(std::time::Duration::from_secs(3600)),
+    ))
 }
 
 pub async fn run(args: ApiArgs) -> anyhow::Result<()> {
@@ -37,6 +82,7 @@ pub async fn run(args: ApiArgs) -> anyhow::Result<()> {
         args.max_concurrent > 0,
         "--max-concurrent must be at least 1"
     );
+    let cors = cors_layer(&args.cors_origins)?;
     let loaded = args.model.load().await?;
     let name = args
         .model_name
@@ -48,6 +94,7 @@ pub async fn run(args: ApiArgs) -> anyhow::Result<()> {
         generator: loaded.generator,
         tokenizer: loaded.tokenizer,
         name: name.clone(),
+        fingerprint: state::system_fingerprint(&model_id),
         model_id,
         created: types::now(),
         permits: Arc::new(tokio::sync::Semaphore::new(args.max_concurrent)),
@@ -58,10 +105,11 @@ pub async fn run(args: ApiArgs) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     println!("serving model {name:?} ({})", state.model_id);
     println!("listening on http://{addr}");
+    println!("chat page at http://{addr}/");
     use std::io::Write;
     let _ = std::io::stdout().flush();
     tracing::info!(%addr, model = %name, local = state.generator.is_local(), "OpenAI-compatible API up");
-    axum::serve(listener, routes::router(state))
+    axum::serve(listener, routes::router(state, cors))
         .with_graceful_shutdown(shutdown_signal())
         .await
         .context("HTTP server failed")?;
@@ -89,5 +137,40 @@ async fn shutdown_signal() {
     if let Err(e) = petal_cli::app::shutdown_signal().await {
         tracing::warn!(error = %e, "cannot listen for signals; stop the server by killing it");
         std::future::pending::<()>().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cors_origins_are_checked() {
+        assert!(cors_layer(&[]).unwrap().is_none());
+        assert!(cors_layer(&["*".into()]).unwrap().is_some());
+        assert!(cors_layer(&[
+            "http://localhost:3000".into(),
+            "https://chat.example.org/".into()
+        ])
+        .unwrap()
+        .is_some());
+        for bad in [
+            "localhost:3000",
+            "http://",
+            "https://a.org/path",
+            "ftp://a.org",
+        ] {
+            assert!(cors_layer(&[bad.into()]).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn system_fingerprint_names_version_and_weights() {
+        let fp =
+            state::system_fingerprint("SmolLM2-135M-Instruct-0123456789abcdef0123456789abcdef");
+        assert_eq!(
+            fp,
+            format!("petal-{}-0123456789ab", env!("CARGO_PKG_VERSION"))
+        );
     }
 }

@@ -1,26 +1,33 @@
 //! The endpoints and the server's state; non-streamed answers (streamed ones: [`super::stream`], request
-//! validation: [`super::jobs`]).
+//! validation: [`super::jobs`], what answers report beyond text: [`super::report`]).
 use super::jobs::{chat_job, completion_job, Endpoint, Job};
+use super::report::{self, Logprobs};
 use super::state::{AbortOnDrop, AppState};
 use super::stream;
 use super::types::*;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
+use axum::http::{header, StatusCode};
+use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 use std::sync::Arc;
+use tower_http::cors::CorsLayer;
 
-pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+/// The chat page: one self-contained HTML file (no build step, nothing fetched from elsewhere).
+const PAGE: &str = include_str!("page.html");
+
+/// The routes; with `cors`, every route (and preflight `OPTIONS`) answers cross-origin requests it allows.
+pub fn router(state: Arc<AppState>, cors: Option<CorsLayer>) -> Router {
+    let router = Router::new()
+        .route("/", get(page))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/health", get(health))
         .fallback(|| async {
             ApiError::invalid(None, "Unknown endpoint")
                 .with_status(StatusCode::NOT_FOUND)
@@ -30,7 +37,35 @@ pub fn router(state: Arc<AppState>) -> Router {
             ApiError::invalid(None, "Method not allowed on this endpoint")
                 .with_status(StatusCode::METHOD_NOT_ALLOWED)
         })
-        .with_state(state)
+        .with_state(state);
+    match cors {
+        Some(cors) => router.layer(cors),
+        None => router,
+    }
+}
+
+async fn page() -> impl IntoResponse {
+    (
+        [
+            (header::CACHE_CONTROL, "no-cache"),
+            (
+                header::CONTENT_SECURITY_POLICY,
+                "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:",
+            ),
+        ],
+        Html(PAGE),
+    )
+}
+
+/// Liveness, and what a page or a load balancer may want to show: the model and where its blocks run.
+async fn health(State(state): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({
+        "status": "ok",
+        "model": state.name,
+        "model_id": state.model_id,
+        "local": state.generator.is_local(),
+        "system_fingerprint": state.fingerprint,
+    }))
 }
 
 fn model_object(state: &AppState) -> Value {
@@ -134,22 +169,32 @@ async fn run(state: Arc<AppState>, job: Job) -> Response {
     };
     let usage = Usage::new(job.prompt.len(), completion.sampled.len());
     let reason = finish_reason(completion.output.finish_reason);
+    let logprobs = if job.logprobs() {
+        Logprobs::new(job.endpoint, &state.tokenizer).format(report::generated(&completion))
+    } else {
+        Value::Null
+    };
+    let petal = report::petal(&state, &completion);
     let text = completion.output.text;
     let body = match job.endpoint {
         Endpoint::Completions => json!({
             "id": job.id, "object": "text_completion", "created": job.created, "model": state.name,
-            "choices": [{"text": text, "index": 0, "logprobs": null, "finish_reason": reason}],
+            "system_fingerprint": state.fingerprint,
+            "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": reason}],
             "usage": usage,
+            "petal": petal,
         }),
         Endpoint::Chat => json!({
             "id": job.id, "object": "chat.completion", "created": job.created, "model": state.name,
+            "system_fingerprint": state.fingerprint,
             "choices": [{
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": reason,
             }],
             "usage": usage,
+            "petal": petal,
         }),
     };
     Json(body).into_response()

@@ -13,7 +13,17 @@ pub struct AppState {
     /// The weights' fingerprint, also accepted as `model`.
     pub model_id: String,
     pub created: u64,
+    /// OpenAI's `system_fingerprint`: `petal-<version>-<first 12 hex digits of the weights' fingerprint>`, which
+    /// changes when either the server or the weights do.
+    pub fingerprint: String,
     pub permits: Arc<Semaphore>,
+}
+
+/// [`AppState::fingerprint`] for a model id (`<name>-<hex digest>`).
+pub fn system_fingerprint(model_id: &str) -> String {
+    let digest = model_id.rsplit('-').next().unwrap_or(model_id);
+    let short: String = digest.chars().take(12).collect();
+    format!("petal-{}-{short}", env!("CARGO_PKG_VERSION"))
 }
 
 /// Aborts a generation task when the request that owns it goes away (the client disconnected).

@@ -2,12 +2,20 @@
 //!
 //! The generation runs in its own task and sends finished events through a channel; the response body reads them.
 //! When the client goes away the body is dropped, which aborts the task and frees its session.
+//!
+//! Every chunk carries `system_fingerprint`. With log-probabilities asked, a chunk carries those of the tokens
+//! whose text it holds (a token that completed no text yet, e.g. half a character, rides with the next chunk
+//! that has text, or with the finishing chunk). The finishing chunk (the one with `finish_reason`) carries the
+//! `petal` object ([`super::report::petal`]).
 use super::jobs::{Endpoint, Job};
+use super::report::{self, Logprobs};
 use super::state::{AbortOnDrop, AppState};
 use super::types::{finish_reason, ApiError, Usage};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use petal_client::Session;
+use petal_model::text::sampling::TokenLogprob;
+use petal_model::FinishReason;
 use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -19,6 +27,7 @@ struct Chunks {
     id: String,
     created: u64,
     model: String,
+    fingerprint: String,
 }
 
 impl Chunks {
@@ -27,7 +36,10 @@ impl Chunks {
             Endpoint::Completions => "text_completion",
             Endpoint::Chat => "chat.completion.chunk",
         };
-        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices})
+        json!({
+            "id": self.id, "object": object, "created": self.created, "model": self.model,
+            "system_fingerprint": self.fingerprint, "choices": choices,
+        })
     }
 
     /// A chat stream opens with the assistant's role.
@@ -37,10 +49,11 @@ impl Chunks {
         }]))
     }
 
-    fn text(&self, text: &str, finish: Option<&str>) -> Value {
+    /// A piece of text (`logprobs`: null, or those of its tokens); the last chunk has `finish` and no text.
+    fn text(&self, text: &str, logprobs: Value, finish: Option<&str>) -> Value {
         match self.endpoint {
             Endpoint::Completions => self.chunk(json!([{
-                "text": text, "index": 0, "logprobs": null, "finish_reason": finish,
+                "text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish,
             }])),
             Endpoint::Chat => {
                 let delta = if finish.is_some() && text.is_empty() {
@@ -49,7 +62,7 @@ impl Chunks {
                     json!({"content": text})
                 };
                 self.chunk(json!([{
-                    "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish,
+                    "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
                 }]))
             }
         }
@@ -79,6 +92,7 @@ pub fn respond(
         id: job.id.clone(),
         created: job.created,
         model: state.name.clone(),
+        fingerprint: state.fingerprint.clone(),
     };
     let task = tokio::spawn(async move {
         let _permit = permit;
@@ -86,18 +100,31 @@ pub fn respond(
         if job.endpoint == Endpoint::Chat {
             let _ = tx.send(event(&chunks.role()));
         }
+        let mut logprobs = Logprobs::new(job.endpoint, &state.tokenizer);
+        // Log-probabilities of tokens whose text is not out yet.
+        let mut pending: Vec<TokenLogprob> = vec![];
+        let wants_logprobs = job.logprobs();
         let result = state
             .generator
-            .continue_in(
+            .continue_with(
                 &mut session,
                 &state.tokenizer,
                 &job.prompt,
                 &job.config,
-                |text| {
-                    if text.is_empty() {
+                |step| {
+                    // The end-of-sequence token is not part of the text, nor of its logprobs.
+                    if step.finished != Some(FinishReason::Eos) {
+                        pending.extend(step.logprob.clone());
+                    }
+                    if step.text.is_empty() {
                         return !tx.is_closed();
                     }
-                    tx.send(event(&chunks.text(text, None))).is_ok()
+                    let lp = if wants_logprobs {
+                        logprobs.format(&std::mem::take(&mut pending))
+                    } else {
+                        Value::Null
+                    };
+                    tx.send(event(&chunks.text(&step.text, lp, None))).is_ok()
                 },
             )
             .await;
@@ -109,7 +136,14 @@ pub fn respond(
             }
             Ok(c) => {
                 let reason = finish_reason(c.output.finish_reason);
-                let _ = tx.send(event(&chunks.text("", Some(reason))));
+                let lp = if wants_logprobs {
+                    logprobs.format(&pending)
+                } else {
+                    Value::Null
+                };
+                let mut last = chunks.text("", lp, Some(reason));
+                last["petal"] = report::petal(&state, &c);
+                let _ = tx.send(event(&last));
                 if job.include_usage {
                     let usage = Usage::new(job.prompt.len(), c.sampled.len());
                     let _ = tx.send(event(&chunks.usage(usage)));

@@ -103,8 +103,10 @@ impl IntoResponse for ApiError {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Requests. Unknown fields are ignored; known fields Petal cannot honour are refused where silently ignoring
-// them would change the answer's meaning (n > 1, logprobs, echo, suffix).
+// Requests. Unknown fields (`user`, `store`, `metadata`, `parallel_tool_calls`, ...) are ignored; known fields
+// Petal cannot honour are refused where silently ignoring them would change the answer's meaning (`n` > 1,
+// `best_of` > 1, `echo`, `suffix`, `logit_bias`, `tool_choice` that forces a tool call, `response_format` other
+// than text).
 
 /// A string or a list of strings (`stop`, `prompt`).
 #[derive(Debug, Deserialize)]
@@ -143,13 +145,16 @@ pub struct SamplingFields {
     pub top_k: Option<i64>,
     /// Extension (vLLM): candle's repeat penalty (1.0 = off).
     pub repetition_penalty: Option<f32>,
+    /// OpenAI's penalties over the generated tokens, -2..=2.
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
     pub seed: Option<i64>,
     pub stop: Option<OneOrMany>,
     pub n: Option<i64>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
-    pub logprobs: Option<Value>,
-    pub top_logprobs: Option<Value>,
+    /// Refused unless empty.
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -158,6 +163,9 @@ pub struct CompletionRequest {
     pub prompt: Prompt,
     pub echo: Option<bool>,
     pub suffix: Option<String>,
+    /// The legacy form: how many alternatives to report per token (0 = the chosen token's logprob only).
+    pub logprobs: Option<i64>,
+    pub best_of: Option<i64>,
 }
 
 /// Message content: a string, or a list of parts of which only text parts are supported.
@@ -186,6 +194,13 @@ pub struct Message {
 pub struct ChatRequest {
     pub model: String,
     pub messages: Vec<Message>,
+    pub logprobs: Option<bool>,
+    /// With `logprobs: true`: how many alternatives to report per token.
+    pub top_logprobs: Option<i64>,
+    /// Accepted and not used: the model answers in text. Refused only with a `tool_choice` that forces a call.
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub response_format: Option<Value>,
 }
 
 /// Parses a request body as a JSON object.
@@ -317,6 +332,29 @@ mod tests {
         let value = parse_json(br#"{"stop": ["x", "y"], "prompt": [1, 2]}"#).expect("object");
         let sampling: SamplingFields = parse_fields(&value).expect("valid");
         assert!(matches!(sampling.stop, Some(OneOrMany::Many(ref s)) if s.len() == 2));
+    }
+
+    #[test]
+    fn logprobs_tools_and_penalties_parse() {
+        let value = parse_json(
+            br#"{"model": "m", "messages": [], "logprobs": true, "top_logprobs": 3, "presence_penalty": 0.5,
+                 "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
+                 "user": "u", "logit_bias": {}}"#,
+        )
+        .expect("object");
+        let chat: ChatRequest = parse_fields(&value).expect("valid");
+        assert_eq!((chat.logprobs, chat.top_logprobs), (Some(true), Some(3)));
+        assert_eq!(chat.tools.map(|t| t.len()), Some(1));
+        assert_eq!(chat.tool_choice, Some(json!("auto")));
+        let sampling: SamplingFields = parse_fields(&value).expect("valid");
+        assert_eq!(sampling.presence_penalty, Some(0.5));
+        assert!(sampling.logit_bias.is_some_and(|b| b.is_empty()));
+        // Chat's `logprobs` is a boolean; the legacy completions' is a count.
+        let e = error_of::<ChatRequest>(r#"{"model": "m", "messages": [], "logprobs": 3}"#);
+        assert_eq!(e.param.as_deref(), Some("logprobs"));
+        let value = parse_json(br#"{"model": "m", "prompt": "x", "logprobs": 3}"#).expect("object");
+        let completion: CompletionRequest = parse_fields(&value).expect("valid");
+        assert_eq!(completion.logprobs, Some(3));
     }
 
     #[test]

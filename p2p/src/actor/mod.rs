@@ -12,22 +12,27 @@ use std::{
 
 use futures::StreamExt;
 use libp2p::{
+    autonat,
     core::transport::ListenerId,
-    identify,
+    dcutr, identify,
     kad::{self, store::RecordStore, QueryId},
     multiaddr::Protocol,
-    ping,
+    ping, relay,
     swarm::{
         dial_opts::{DialOpts, PeerCondition},
-        DialError, SwarmEvent,
+        ConnectionId, DialError, SwarmEvent,
     },
     Multiaddr, PeerId, Swarm,
 };
 use tokio::sync::mpsc;
 
+mod connections;
+mod kad_events;
+
 use crate::{
     behaviour::{PetalBehaviour, PetalBehaviourEvent, KAD_PROTOCOL},
     command::{Command, Reply},
+    reachability::{is_loopback, is_relayed, NatStatus, ReachabilityState},
     NetError,
 };
 
@@ -35,6 +40,21 @@ use crate::{
 const MAINTENANCE_INTERVAL: Duration = Duration::from_secs(5);
 /// Addresses remembered per peer in the address book; old ones are dropped first.
 const MAX_ADDRS_PER_PEER: usize = 16;
+/// How long a `Connect` that reached its peer only through a relay waits for hole punching to give a direct
+/// connection before it settles for the relayed one.
+const DIRECT_UPGRADE_WAIT: Duration = Duration::from_secs(5);
+/// How long a failed hole punch with a peer is remembered (its NAT will not have changed much sooner).
+const PUNCH_FAILURE_MEMORY: Duration = Duration::from_secs(10 * 60);
+
+/// An established connection: whose, whether it goes through a relay, and the address we dialed (`None` when the
+/// peer dialed us).
+struct ConnectionInfo {
+    peer: PeerId,
+    relayed: bool,
+    dialed: Option<Multiaddr>,
+    /// Whether the peer's end of the connection is a loopback address (it runs on this machine).
+    loopback: bool,
+}
 
 /// A record lookup in flight: values already forwarded (to report each distinct value once) and where to send
 /// new ones. Dropping `found` tells the caller the lookup is over.
@@ -103,6 +123,16 @@ pub(crate) struct Actor {
     address_book: HashMap<PeerId, Vec<Multiaddr>>,
     /// Latest ping round trip per connected peer.
     rtts: HashMap<PeerId, Duration>,
+    connections: HashMap<ConnectionId, ConnectionInfo>,
+    /// Whether this peer serves the DHT (while reachable).
+    dht_server: bool,
+    /// Peers hole punching failed with, and when: a reconnect to them does not wait for another attempt.
+    punch_failed: HashMap<PeerId, Instant>,
+    /// `Disconnect` callers, answered when the peer's last connection closes.
+    disconnects: HashMap<PeerId, Vec<Reply<()>>>,
+    /// Peers whose `Connect` callers wait for a direct connection, until the deadline.
+    awaiting_direct: HashMap<PeerId, tokio::time::Instant>,
+    reach: ReachabilityState,
 }
 
 impl Actor {
@@ -110,7 +140,17 @@ impl Actor {
         swarm: Swarm<PetalBehaviour>,
         commands: mpsc::Receiver<Command>,
         bootstrap: Vec<(PeerId, Multiaddr)>,
+        mut reach: ReachabilityState,
+        dht_server: bool,
     ) -> Self {
+        // Bootstrap peers are reachable by definition: the first relays to ask.
+        for (peer, addr) in &bootstrap {
+            let mut addr = addr.clone();
+            if let Some(Protocol::P2p(_)) = addr.iter().last() {
+                addr.pop();
+            }
+            reach.add_candidate(*peer, addr);
+        }
         Actor {
             swarm,
             commands,
@@ -123,6 +163,12 @@ impl Actor {
             connects: HashMap::new(),
             address_book: HashMap::new(),
             rtts: HashMap::new(),
+            connections: HashMap::new(),
+            dht_server,
+            awaiting_direct: HashMap::new(),
+            disconnects: HashMap::new(),
+            punch_failed: HashMap::new(),
+            reach,
         }
     }
 
@@ -212,6 +258,8 @@ impl Actor {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut shutdown_reply = None;
         loop {
+            let upgrade_deadline = self.next_upgrade_deadline();
+            let awaiting = !self.awaiting_direct.is_empty();
             tokio::select! {
                 command = self.commands.recv() => match command {
                     Some(Command::Shutdown { reply }) => {
@@ -223,6 +271,14 @@ impl Actor {
                 },
                 event = self.swarm.select_next_some() => self.on_swarm_event(event),
                 _ = tick.tick() => self.maintenance(),
+                _ = tokio::time::sleep_until(upgrade_deadline), if awaiting => {
+                    let now = tokio::time::Instant::now();
+                    let expired: Vec<PeerId> = self.awaiting_direct.iter().filter(|(_, d)| **d <= now).map(|(p, _)| *p).collect();
+                    for peer in expired {
+                        tracing::info!(%peer, "no direct connection in time; staying on the relay");
+                        self.connected(peer);
+                    }
+                }
             }
         }
         let peer_id = *self.swarm.local_peer_id();
@@ -245,6 +301,10 @@ impl Actor {
             tracing::debug!("not connected to any peer; re-dialing bootstrap peers");
             self.connect_bootstrap();
         }
+        self.punch_failed
+            .retain(|_, since| since.elapsed() < PUNCH_FAILURE_MEMORY);
+        // Replace relay reservations that ended.
+        self.reach.reserve(&mut self.swarm);
         // Without Kademlia's replication job nothing else sweeps the store, and records of dead servers would pile
         // up until lookups touched them.
         let now = Instant::now();
@@ -394,61 +454,19 @@ impl Actor {
             Command::ConnectedPeers { reply } => {
                 let _ = reply.send(self.swarm.connected_peers().copied().collect());
             }
+            Command::Disconnect { peer, reply } => {
+                if self.swarm.disconnect_peer_id(peer).is_ok() {
+                    self.disconnects.entry(peer).or_default().push(reply);
+                } else {
+                    let _ = reply.send(());
+                }
+            }
+            Command::Path { peer, reply } => {
+                let _ = reply.send(self.path(&peer));
+            }
             // Handled in `run`, which must leave the loop.
             Command::Shutdown { reply } => {
                 let _ = reply.send(());
-            }
-        }
-    }
-
-    fn remember_addresses(&mut self, peer: PeerId, addrs: Vec<Multiaddr>) {
-        let book = self.address_book.entry(peer).or_default();
-        for addr in addrs {
-            // Strip a trailing /p2p/<id>: DialOpts adds it back, and it must match `peer` anyway.
-            let addr = match addr.iter().last() {
-                Some(Protocol::P2p(id)) if id == peer => {
-                    let mut a = addr.clone();
-                    a.pop();
-                    a
-                }
-                Some(Protocol::P2p(other)) => {
-                    tracing::debug!(%peer, %other, %addr, "ignoring address of another peer");
-                    continue;
-                }
-                _ => addr,
-            };
-            if !book.contains(&addr) {
-                book.push(addr);
-            }
-        }
-        if book.len() > MAX_ADDRS_PER_PEER {
-            let excess = book.len() - MAX_ADDRS_PER_PEER;
-            book.drain(..excess);
-        }
-    }
-
-    fn connect(&mut self, peer: PeerId, reply: Reply<Result<(), NetError>>) {
-        if self.swarm.is_connected(&peer) {
-            let _ = reply.send(Ok(()));
-            return;
-        }
-        let addrs = self.address_book.get(&peer).cloned().unwrap_or_default();
-        let opts = DialOpts::peer_id(peer)
-            .addresses(addrs)
-            // Kademlia's routing table may know more addresses.
-            .extend_addresses_through_behaviour()
-            .condition(PeerCondition::DisconnectedAndNotDialing)
-            .build();
-        match self.swarm.dial(opts) {
-            // Already dialing: the outcome of that dial answers us too.
-            Ok(()) | Err(DialError::DialPeerConditionFalse(_)) => {
-                self.connects.entry(peer).or_default().push(reply);
-            }
-            Err(e) => {
-                let _ = reply.send(Err(NetError::Stream {
-                    peer,
-                    reason: format!("cannot dial: {e}"),
-                }));
             }
         }
     }
@@ -468,27 +486,89 @@ impl Actor {
                 Err(e) => tracing::debug!(%peer, error = %e, "ping failed"),
             },
             SwarmEvent::Behaviour(PetalBehaviourEvent::Stream(())) => {}
+            SwarmEvent::Behaviour(PetalBehaviourEvent::Autonat(event)) => {
+                self.on_autonat_event(event)
+            }
+            SwarmEvent::Behaviour(PetalBehaviourEvent::Dcutr(dcutr::Event {
+                remote_peer_id,
+                result,
+            })) => match result {
+                Ok(_) => {
+                    tracing::info!(peer = %remote_peer_id, "hole punching succeeded: direct connection")
+                }
+                Err(e) => {
+                    tracing::info!(peer = %remote_peer_id, error = %e, "hole punching failed; staying on the relay");
+                    self.punch_failed.insert(remote_peer_id, Instant::now());
+                    if self.awaiting_direct.contains_key(&remote_peer_id) {
+                        self.connected(remote_peer_id);
+                    }
+                }
+            },
+            SwarmEvent::Behaviour(PetalBehaviourEvent::RelayClient(event)) => match event {
+                relay::client::Event::ReservationReqAccepted {
+                    relay_peer_id,
+                    renewal,
+                    ..
+                } => {
+                    tracing::debug!(relay = %relay_peer_id, renewal, "relay reservation accepted");
+                }
+                other => tracing::debug!(event = ?other, "relay client"),
+            },
+            SwarmEvent::Behaviour(PetalBehaviourEvent::RelayServer(event)) => {
+                tracing::debug!(?event, "relay server");
+            }
             SwarmEvent::NewListenAddr { address, .. } => {
                 tracing::info!(%address, "listening");
+                self.reach.on_new_listen_addr(&address);
+            }
+            SwarmEvent::ExpiredListenAddr { address, .. } => {
+                self.reach.on_expired_listen_addr(&address);
+            }
+            SwarmEvent::ExternalAddrConfirmed { address } => {
+                self.reach.on_external_addr(&address, true);
+            }
+            SwarmEvent::ExternalAddrExpired { address } => {
+                self.reach.on_external_addr(&address, false);
             }
             SwarmEvent::ConnectionEstablished {
-                peer_id, endpoint, ..
+                peer_id,
+                connection_id,
+                endpoint,
+                ..
             } => {
-                tracing::debug!(peer = %peer_id, addr = %endpoint.get_remote_address(), "connected");
-                for reply in self.connects.remove(&peer_id).unwrap_or_default() {
-                    let _ = reply.send(Ok(()));
-                }
+                let relayed = endpoint.is_relayed();
+                tracing::debug!(peer = %peer_id, addr = %endpoint.get_remote_address(), relayed, "connected");
+                let dialed = endpoint
+                    .is_dialer()
+                    .then(|| endpoint.get_remote_address().clone());
+                let loopback = is_loopback(endpoint.get_remote_address());
+                self.connections.insert(
+                    connection_id,
+                    ConnectionInfo {
+                        peer: peer_id,
+                        relayed,
+                        dialed,
+                        loopback,
+                    },
+                );
+                self.on_connection_established(peer_id, relayed);
             }
             SwarmEvent::ConnectionClosed {
                 peer_id,
+                connection_id,
                 num_established,
                 cause,
                 ..
             } => {
                 tracing::debug!(peer = %peer_id, ?cause, "connection closed");
+                self.connections.remove(&connection_id);
                 if num_established == 0 {
                     self.rtts.remove(&peer_id);
+                    for reply in self.disconnects.remove(&peer_id).unwrap_or_default() {
+                        let _ = reply.send(());
+                    }
                 }
+                self.on_connection_closed(peer_id);
             }
             SwarmEvent::OutgoingConnectionError {
                 peer_id: Some(peer),
@@ -509,112 +589,84 @@ impl Actor {
                 tracing::warn!(?listener_id, error = %error, "listener error");
             }
             SwarmEvent::ListenerClosed {
-                addresses, reason, ..
+                listener_id,
+                addresses,
+                reason,
             } => {
                 tracing::info!(?addresses, ?reason, "listener closed");
+                self.reach.on_listener_closed(listener_id, reason.is_err());
             }
             other => tracing::trace!(event = ?other, "swarm event"),
         }
     }
 
-    fn on_identify_event(&mut self, event: identify::Event) {
-        if let identify::Event::Received { peer_id, info, .. } = event {
-            // Only DHT servers belong in the routing table: a client-mode peer does not list the Kademlia
-            // protocol and cannot answer queries.
-            if info.protocols.contains(&KAD_PROTOCOL) {
-                for addr in info.listen_addrs {
-                    self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+    fn on_autonat_event(&mut self, event: autonat::Event) {
+        match event {
+            autonat::Event::StatusChanged { old, new } => {
+                tracing::debug!(?old, ?new, "AutoNAT status");
+                let status = match new {
+                    autonat::NatStatus::Public(_) => NatStatus::Public,
+                    autonat::NatStatus::Private => NatStatus::Private,
+                    autonat::NatStatus::Unknown => NatStatus::Unknown,
+                };
+                self.reach.set_status(&mut self.swarm, status);
+                // A DHT server nobody can dial would only slow everyone's queries down: behind NAT, query only.
+                let mode = match status {
+                    NatStatus::Public if self.dht_server => Some(kad::Mode::Server),
+                    NatStatus::Private => Some(kad::Mode::Client),
+                    _ => None,
+                };
+                if let Some(mode) = mode {
+                    self.swarm.behaviour_mut().kad.set_mode(Some(mode));
                 }
             }
-            tracing::debug!(peer = %peer_id, agent = %info.agent_version, "identified peer");
+            other => tracing::trace!(event = ?other, "AutoNAT"),
         }
     }
 
-    fn on_kad_event(&mut self, event: kad::Event) {
-        let kad::Event::OutboundQueryProgressed {
-            id, result, step, ..
+    fn on_identify_event(&mut self, event: identify::Event) {
+        if let identify::Event::Received {
+            peer_id,
+            info,
+            connection_id,
         } = event
-        else {
-            tracing::trace!(?event, "kademlia event");
-            return;
-        };
-        match result {
-            kad::QueryResult::PutRecord(result) => {
-                if let Some(pending) = self.puts.remove(&id) {
-                    let result = match result {
-                        Ok(_) => Ok(()),
-                        Err(e) if !pending.had_peers => {
-                            tracing::debug!(error = %e, "record stored locally only: no peers yet");
-                            Ok(())
-                        }
-                        Err(e) => Err(NetError::Dht(format!("put_record: {e}"))),
-                    };
-                    let _ = pending.reply.send(result);
+        {
+            // Only DHT servers belong in the routing table: a client-mode peer does not list the Kademlia
+            // protocol and cannot answer queries. Its loopback addresses are only worth passing on when it is
+            // on this machine (connected over loopback): anyone else would dial their own machine.
+            let over_loopback = self
+                .connections
+                .get(&connection_id)
+                .is_some_and(|c| c.loopback);
+            if info.protocols.contains(&KAD_PROTOCOL) {
+                let routable = info
+                    .listen_addrs
+                    .iter()
+                    .filter(|a| !is_relayed(a) && (over_loopback || !is_loopback(a)));
+                for addr in routable {
+                    self.swarm
+                        .behaviour_mut()
+                        .kad
+                        .add_address(&peer_id, addr.clone());
                 }
             }
-            kad::QueryResult::StartProviding(result) => {
-                if let Some(pending) = self.providing.remove(&id) {
-                    let result = match result {
-                        Ok(_) => Ok(()),
-                        Err(e) if !pending.had_peers => {
-                            tracing::debug!(error = %e, "providing locally only: no peers yet");
-                            Ok(())
-                        }
-                        Err(e) => Err(NetError::Dht(format!("start_providing: {e}"))),
-                    };
-                    let _ = pending.reply.send(result);
+            // A relay we reached by dialing it directly can relay for us.
+            if info.protocols.contains(&relay::HOP_PROTOCOL_NAME) {
+                let dialed = self
+                    .connections
+                    .values()
+                    .filter(|c| c.peer == peer_id && !c.relayed)
+                    .find_map(|c| c.dialed.clone());
+                if let Some(addr) = dialed {
+                    let mut addr = addr;
+                    if let Some(Protocol::P2p(_)) = addr.iter().last() {
+                        addr.pop();
+                    }
+                    self.reach.add_candidate(peer_id, addr);
+                    self.reach.reserve(&mut self.swarm);
                 }
             }
-            kad::QueryResult::GetRecord(result) => {
-                if let Some(lookup) = self.record_lookups.get_mut(&id) {
-                    match result {
-                        Ok(kad::GetRecordOk::FoundRecord(found)) => {
-                            if lookup.seen.insert(found.record.value.clone()) {
-                                // A closed receiver means the caller gave up; the cancel command follows.
-                                let _ = lookup.found.send(found.record.value);
-                            }
-                        }
-                        Ok(kad::GetRecordOk::FinishedWithNoAdditionalRecord { .. }) => {}
-                        Err(e) => tracing::debug!(error = %e, "get_record ended"),
-                    }
-                    if step.last {
-                        self.record_lookups.remove(&id);
-                    }
-                }
-            }
-            kad::QueryResult::GetProviders(result) => {
-                if let Some(lookup) = self.provider_lookups.get_mut(&id) {
-                    match result {
-                        Ok(kad::GetProvidersOk::FoundProviders { providers, .. }) => {
-                            let new: HashSet<PeerId> = providers
-                                .into_iter()
-                                .filter(|p| lookup.seen.insert(*p))
-                                .collect();
-                            if !new.is_empty() {
-                                let _ = lookup.found.send(new);
-                            }
-                        }
-                        Ok(kad::GetProvidersOk::FinishedWithNoAdditionalRecord { .. }) => {}
-                        Err(e) => tracing::debug!(error = %e, "get_providers ended"),
-                    }
-                    if step.last {
-                        self.provider_lookups.remove(&id);
-                    }
-                }
-            }
-            kad::QueryResult::Bootstrap(result) => {
-                if step.last {
-                    if let Some(reply) = self.bootstraps.remove(&id) {
-                        let result = match result {
-                            Ok(_) if self.swarm.connected_peers().next().is_some() => Ok(()),
-                            Ok(_) => Err(NetError::Dht("no bootstrap peer reachable".into())),
-                            Err(e) => Err(NetError::Dht(format!("bootstrap: {e}"))),
-                        };
-                        let _ = reply.send(result);
-                    }
-                }
-            }
-            other => tracing::trace!(?other, "kademlia query progressed"),
+            tracing::debug!(peer = %peer_id, agent = %info.agent_version, "identified peer");
         }
     }
 }
