@@ -235,6 +235,13 @@ impl ChainSession {
         let failed = self.links.remove(i);
         let failed_hop = failed.hop.hop().clone();
         let range = failed_hop.range;
+        let failover = |reason: String| Failover {
+            failed_peer: failed_hop.peer_id().to_string(),
+            range,
+            reason,
+            replayed_steps: failed.history.len(),
+            elapsed: started.elapsed(),
+        };
         // A broken connection (a relay circuit at its limit, an expired NAT mapping, a network blip) says nothing
         // about the server: try it once more on a fresh connection, with replay, before banning it.
         if cause.is_connection_lost() {
@@ -252,15 +259,9 @@ impl ChainSession {
             .await;
             match reconnected {
                 Ok(link) => {
-                    let elapsed = started.elapsed();
-                    tracing::info!(peer = %failed_hop.peer_id(), %range, replayed = failed.history.len(), elapsed_ms = elapsed.as_millis() as u64, "reconnected to the same server");
-                    self.failovers.push(Failover {
-                        failed_peer: failed_hop.peer_id().to_string(),
-                        range,
-                        reason: format!("reconnected after: {cause}"),
-                        replayed_steps: failed.history.len(),
-                        elapsed,
-                    });
+                    let done = failover(format!("reconnected after: {cause}"));
+                    tracing::info!(peer = %failed_hop.peer_id(), %range, replayed = done.replayed_steps, elapsed_ms = done.elapsed.as_millis() as u64, "reconnected to the same server");
+                    self.failovers.push(done);
                     self.links.insert(i, link);
                     return Ok(());
                 }
@@ -276,14 +277,9 @@ impl ChainSession {
             let mut fresh = self.open_chain(range).await?;
             match replay(&mut fresh, &failed.history, self.config.step_timeout).await {
                 Ok(()) => {
-                    self.failovers.push(Failover {
-                        failed_peer: failed_hop.peer_id().to_string(),
-                        range,
-                        reason: cause.to_string(),
-                        replayed_steps: failed.history.len(),
-                        elapsed: started.elapsed(),
-                    });
-                    tracing::info!(%range, replayed = failed.history.len(), elapsed_ms = started.elapsed().as_millis() as u64, "replacement ready");
+                    let done = failover(cause.to_string());
+                    tracing::info!(%range, replayed = done.replayed_steps, elapsed_ms = done.elapsed.as_millis() as u64, "replacement ready");
+                    self.failovers.push(done);
                     self.links.splice(i..i, fresh);
                     return Ok(());
                 }
@@ -316,13 +312,25 @@ async fn open_hop(
     match HopClient::open(net, model_id, hop.clone(), max_length, timeout).await {
         Err(e) if e.is_connection_lost() => {
             tracing::debug!(peer = %hop.peer_id(), error = %e, "opening a session broke; trying a fresh connection");
-            if let Ok(peer) = hop.record.peer_id.parse() {
-                net.disconnect(peer, Duration::from_secs(2)).await;
-            }
-            HopClient::open(net, model_id, hop, max_length, timeout).await
+            open_on_fresh_connection(net, model_id, hop, max_length, timeout).await
         }
         other => other,
     }
+}
+
+/// Drops every connection to `hop`'s server, whichever may be half-closed (a relay circuit at its limit, a stale
+/// NAT mapping), and opens a session on a new one.
+async fn open_on_fresh_connection(
+    net: &petal_p2p::Network,
+    model_id: &str,
+    hop: Hop,
+    max_length: usize,
+    timeout: Duration,
+) -> Result<HopClient> {
+    if let Ok(peer) = hop.record.peer_id.parse() {
+        net.disconnect(peer, Duration::from_secs(2)).await;
+    }
+    HopClient::open(net, model_id, hop, max_length, timeout).await
 }
 
 /// A fresh session with the same server for the same blocks, rebuilt by replaying `history`. A free function so
@@ -336,11 +344,8 @@ async fn reconnect(
     history: &[(u32, pb::Tensor)],
 ) -> Result<ChainLink> {
     let open_timeout = step_timeout.min(RECONNECT_TIMEOUT);
-    // Whatever connection the stream broke on may be half-closed (a relay circuit at its limit): start afresh.
-    if let Ok(peer) = hop.record.peer_id.parse() {
-        net.disconnect(peer, Duration::from_secs(2)).await;
-    }
-    let client = HopClient::open(net, model_id, hop.clone(), max_length, open_timeout).await?;
+    let client =
+        open_on_fresh_connection(net, model_id, hop.clone(), max_length, open_timeout).await?;
     let mut fresh = [ChainLink {
         hop: client,
         history: vec![],

@@ -98,10 +98,10 @@ impl SwarmClient {
                         None => s.reachability == NatStatus::Private.as_str(),
                     };
                     let rtt = self.net.rtt(peer).await;
-                    let rtt = match (rtt, relayed) {
-                        (Some(rtt), true) => Some(rtt + RELAYED_PENALTY),
-                        (None, true) => Some(UNKNOWN_RTT + RELAYED_PENALTY),
-                        (rtt, false) => rtt,
+                    let rtt = if relayed {
+                        Some(rtt.unwrap_or(UNKNOWN_RTT) + RELAYED_PENALTY)
+                    } else {
+                        rtt
                     };
                     if let Some(rtt) = rtt {
                         rtts.insert(s.peer_id.clone(), rtt);

@@ -144,8 +144,12 @@ impl ReachabilityState {
         self.published.subscribe()
     }
 
-    /// A peer that can relay for us (a bootstrap peer, or a relay we reached by dialing it).
-    pub(crate) fn add_candidate(&mut self, peer: PeerId, addr: Multiaddr) {
+    /// A peer that can relay for us (a bootstrap peer, or a relay we reached by dialing it), at `addr` (a trailing
+    /// `/p2p/<id>` is dropped: the circuit address adds it back).
+    pub(crate) fn add_candidate(&mut self, peer: PeerId, mut addr: Multiaddr) {
+        if let Some(Protocol::P2p(_)) = addr.iter().last() {
+            addr.pop();
+        }
         if !is_relayed(&addr) {
             self.candidates.entry(peer).or_insert(addr);
         }
@@ -208,38 +212,35 @@ impl ReachabilityState {
         }
     }
 
-    /// A listener ended: if it was a relay reservation, forget it (and that relay, if it failed).
-    pub(crate) fn on_listener_closed(&mut self, listener: ListenerId, failed: bool) {
+    /// A listener ended: if it was a relay reservation, forget it (and that relay, if it failed). Its addresses
+    /// go too: libp2p reports them only here, not as expired listen addresses.
+    pub(crate) fn on_listener_closed(
+        &mut self,
+        listener: ListenerId,
+        addresses: &[Multiaddr],
+        failed: bool,
+    ) {
         if let Some(relay) = self.reservations.remove(&listener) {
             tracing::warn!(%relay, failed, "relay reservation ended");
             if failed {
                 self.failed.insert(relay, Instant::now());
             }
         }
-        self.refresh_relayed(None);
+        for addr in addresses {
+            self.on_expired_listen_addr(addr);
+        }
     }
 
     pub(crate) fn on_new_listen_addr(&mut self, addr: &Multiaddr) {
-        if is_relayed(addr) {
+        if is_relayed(addr) && !self.current.relayed.contains(addr) {
             tracing::info!(%addr, "reachable through a relay");
-            self.refresh_relayed(Some((addr.clone(), true)));
+            self.current.relayed.push(addr.clone());
+            self.publish();
         }
     }
 
     pub(crate) fn on_expired_listen_addr(&mut self, addr: &Multiaddr) {
-        if is_relayed(addr) {
-            self.refresh_relayed(Some((addr.clone(), false)));
-        }
-    }
-
-    fn refresh_relayed(&mut self, change: Option<(Multiaddr, bool)>) {
-        match change {
-            Some((addr, true)) if !self.current.relayed.contains(&addr) => {
-                self.current.relayed.push(addr)
-            }
-            Some((addr, false)) => self.current.relayed.retain(|a| a != &addr),
-            _ => {}
-        }
+        self.current.relayed.retain(|a| a != addr);
         self.publish();
     }
 

@@ -67,20 +67,27 @@ impl Actor {
         }
     }
 
+    /// When `peer` is reached only through a relay and hole punching may still give a direct connection, starts
+    /// (or keeps) waiting for it, up to [`DIRECT_UPGRADE_WAIT`], and says so.
+    fn await_direct(&mut self, peer: PeerId) -> bool {
+        let worth_waiting = self.path(&peer) == Some(ConnectionPath::Relayed)
+            && !self.punch_failed.contains_key(&peer);
+        if worth_waiting {
+            self.awaiting_direct
+                .entry(peer)
+                .or_insert_with(|| tokio::time::Instant::now() + DIRECT_UPGRADE_WAIT);
+        }
+        worth_waiting
+    }
+
     pub(super) fn connect(&mut self, peer: PeerId, reply: Reply<Result<(), NetError>>) {
         if self.swarm.is_connected(&peer) {
-            // Connected only through a relay (a DHT lookup reached it so) while hole punching may still give a
-            // direct connection: wait for it as for a fresh relayed connection.
-            if self.path(&peer) == Some(ConnectionPath::Relayed)
-                && !self.punch_failed.contains_key(&peer)
-            {
+            // A relayed connection (a DHT lookup reached the peer so) waits for a direct one like a fresh one.
+            if self.await_direct(peer) {
                 self.connects.entry(peer).or_default().push(reply);
-                self.awaiting_direct
-                    .entry(peer)
-                    .or_insert_with(|| tokio::time::Instant::now() + DIRECT_UPGRADE_WAIT);
-                return;
+            } else {
+                let _ = reply.send(Ok(()));
             }
-            let _ = reply.send(Ok(()));
             return;
         }
         let addrs = self.address_book.get(&peer).cloned().unwrap_or_default();
@@ -108,14 +115,8 @@ impl Actor {
     /// hole punching may give one within [`DIRECT_UPGRADE_WAIT`], and streams should not start on the relay. Once
     /// a direct connection exists, the relayed ones we opened for the wait are closed so streams take the direct.
     pub(super) fn on_connection_established(&mut self, peer: PeerId, relayed: bool) {
-        let waiting = self.connects.contains_key(&peer);
         if relayed {
-            let punch_may_work = !self.punch_failed.contains_key(&peer);
-            if waiting && punch_may_work && self.path(&peer) == Some(ConnectionPath::Relayed) {
-                self.awaiting_direct
-                    .entry(peer)
-                    .or_insert_with(|| tokio::time::Instant::now() + DIRECT_UPGRADE_WAIT);
-            } else {
+            if !(self.connects.contains_key(&peer) && self.await_direct(peer)) {
                 self.connected(peer);
             }
             return;

@@ -145,11 +145,7 @@ impl Actor {
     ) -> Self {
         // Bootstrap peers are reachable by definition: the first relays to ask.
         for (peer, addr) in &bootstrap {
-            let mut addr = addr.clone();
-            if let Some(Protocol::P2p(_)) = addr.iter().last() {
-                addr.pop();
-            }
-            reach.add_candidate(*peer, addr);
+            reach.add_candidate(*peer, addr.clone());
         }
         Actor {
             swarm,
@@ -594,7 +590,8 @@ impl Actor {
                 reason,
             } => {
                 tracing::info!(?addresses, ?reason, "listener closed");
-                self.reach.on_listener_closed(listener_id, reason.is_err());
+                self.reach
+                    .on_listener_closed(listener_id, &addresses, reason.is_err());
             }
             other => tracing::trace!(event = ?other, "swarm event"),
         }
@@ -658,10 +655,6 @@ impl Actor {
                     .filter(|c| c.peer == peer_id && !c.relayed)
                     .find_map(|c| c.dialed.clone());
                 if let Some(addr) = dialed {
-                    let mut addr = addr;
-                    if let Some(Protocol::P2p(_)) = addr.iter().last() {
-                        addr.pop();
-                    }
                     self.reach.add_candidate(peer_id, addr);
                     self.reach.reserve(&mut self.swarm);
                 }
