@@ -242,8 +242,8 @@ impl ChainSession {
             replayed_steps: failed.history.len(),
             elapsed: started.elapsed(),
         };
-        // A broken connection (a relay circuit at its limit, an expired NAT mapping, a network blip) says nothing
-        // about the server: try it once more on a fresh connection, with replay, before banning it.
+        // A broken stream or connection (a relay circuit at its limit, an expired NAT mapping, a network blip) says
+        // nothing about the server: try it again, with replay, before banning it.
         if cause.is_connection_lost() {
             let net = self.client.network().clone();
             let (model_id, max_length) = (self.model_id.clone(), self.max_length);
@@ -255,6 +255,7 @@ impl ChainSession {
                 timeout,
                 &failed_hop,
                 &failed.history,
+                started,
             )
             .await;
             match reconnected {
@@ -300,8 +301,8 @@ impl ChainSession {
     }
 }
 
-/// Opens a session on `hop`; a connection that breaks while opening (a server's stale connection, a blip) is no
-/// reason to ban it, so that is retried once on a fresh connection.
+/// Opens a session on `hop`. A stream that breaks while opening is no reason to ban the server (a stale
+/// connection, a blip): that is retried through [`reopen`].
 async fn open_hop(
     net: &petal_p2p::Network,
     model_id: &str,
@@ -311,26 +312,36 @@ async fn open_hop(
 ) -> Result<HopClient> {
     match HopClient::open(net, model_id, hop.clone(), max_length, timeout).await {
         Err(e) if e.is_connection_lost() => {
-            tracing::debug!(peer = %hop.peer_id(), error = %e, "opening a session broke; trying a fresh connection");
-            open_on_fresh_connection(net, model_id, hop, max_length, timeout).await
+            tracing::debug!(peer = %hop.peer_id(), error = %e, "opening a session broke; trying again");
+            reopen(net, model_id, hop, max_length, timeout, Instant::now()).await
         }
         other => other,
     }
 }
 
-/// Drops every connection to `hop`'s server, whichever may be half-closed (a relay circuit at its limit, a stale
-/// NAT mapping), and opens a session on a new one.
-async fn open_on_fresh_connection(
+/// Opens a session on `hop` after a stream to its server broke at `broke_at`: first on the connections there are
+/// (the stream may have broken alone), then, if that breaks too, on a new connection. Only connections
+/// established before `broke_at` are closed for that, so the sessions that other tasks are opening to the same
+/// server on newer connections carry on.
+async fn reopen(
     net: &petal_p2p::Network,
     model_id: &str,
     hop: Hop,
     max_length: usize,
     timeout: Duration,
+    broke_at: Instant,
 ) -> Result<HopClient> {
-    if let Ok(peer) = hop.record.peer_id.parse() {
-        net.disconnect(peer, Duration::from_secs(2)).await;
+    match HopClient::open(net, model_id, hop.clone(), max_length, timeout).await {
+        Err(e) if e.is_connection_lost() => {
+            tracing::debug!(peer = %hop.peer_id(), error = %e, "broke again; trying a fresh connection");
+            if let Ok(peer) = hop.record.peer_id.parse() {
+                net.close_connections_before(peer, broke_at, Duration::from_secs(2))
+                    .await;
+            }
+            HopClient::open(net, model_id, hop, max_length, timeout).await
+        }
+        other => other,
     }
-    HopClient::open(net, model_id, hop, max_length, timeout).await
 }
 
 /// A fresh session with the same server for the same blocks, rebuilt by replaying `history`. A free function so
@@ -342,10 +353,18 @@ async fn reconnect(
     step_timeout: Duration,
     hop: &Hop,
     history: &[(u32, pb::Tensor)],
+    broke_at: Instant,
 ) -> Result<ChainLink> {
     let open_timeout = step_timeout.min(RECONNECT_TIMEOUT);
-    let client =
-        open_on_fresh_connection(net, model_id, hop.clone(), max_length, open_timeout).await?;
+    let client = reopen(
+        net,
+        model_id,
+        hop.clone(),
+        max_length,
+        open_timeout,
+        broke_at,
+    )
+    .await?;
     let mut fresh = [ChainLink {
         hop: client,
         history: vec![],

@@ -33,6 +33,19 @@ pub enum ClientError {
     /// A server did not answer in time.
     #[error("server {peer} did not answer within {seconds:.1} s")]
     Timeout { peer: String, seconds: f64 },
+    /// The local blocks' scheduler failed outside the model (its thread could not start or is gone, or a batch
+    /// panicked); the model's own refusals are [`ClientError::Model`].
+    #[error(transparent)]
+    LocalCompute(petal_model::SchedulerError),
+}
+
+impl From<petal_model::SchedulerError> for ClientError {
+    fn from(e: petal_model::SchedulerError) -> Self {
+        match e {
+            petal_model::SchedulerError::Model(e) => Self::Model(e),
+            other => Self::LocalCompute(other),
+        }
+    }
 }
 
 impl ClientError {
@@ -55,7 +68,9 @@ impl ClientError {
                     | pb::ErrorCode::CacheFull
                     | pb::ErrorCode::Unspecified
             ),
-            Self::Model(_) | Self::Request(_) | Self::Uncovered { .. } => false,
+            Self::Model(_) | Self::LocalCompute(_) | Self::Request(_) | Self::Uncovered { .. } => {
+                false
+            }
         }
     }
 }

@@ -3,9 +3,10 @@
 //! a session the caller may keep across calls (a chat keeps one for the whole conversation). `petal generate`,
 //! `petal chat`, `petal api`, the demo and the bench all generate through it.
 //!
-//! The head's compute (and the blocks', when local) is synchronous CPU work: on a multi-threaded tokio runtime it
-//! runs under `block_in_place`, so the other tasks of the worker (other requests, the swarm actor) move to other
-//! threads meanwhile, and every step ends at an `.await`, so a task aborted between steps stops.
+//! The head's compute is synchronous CPU work: on a multi-threaded tokio runtime it runs under `block_in_place`, so
+//! the other tasks of the worker (other requests, the swarm actor) move to other threads meanwhile. Local blocks run
+//! on their spans' scheduler threads (batched with concurrent sessions), awaited like a remote chain; every step
+//! ends at an `.await`, so a task aborted between steps stops.
 use crate::blocks::{BlockSession, LocalSpans, ModelBlocks, RemoteChain};
 use crate::chain::{ChainConfig, Failover, HopTiming, RouteHop};
 use crate::error::{ClientError, Result};

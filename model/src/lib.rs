@@ -18,8 +18,11 @@ pub mod text;
 pub use compute::block_range::BlockRange;
 pub use compute::head::Head;
 pub use compute::placement::{normalise, DeviceSpec, Placement};
+pub use compute::scheduler::{
+    BatchInfo, PendingStep, SchedulerError, SessionStep, SpanScheduler, Stepped,
+};
 pub use compute::source::{ModelFormat, ModelSource};
-pub use compute::span::{BlockSpan, SpanCache};
+pub use compute::span::{BatchStep, BlockSpan, SpanCache};
 pub use compute::spec::ModelSpec;
 pub use error::{ModelError, Result};
 pub use text::decoding::{FinishReason, Generation, GenerationConfig, GenerationOutput};

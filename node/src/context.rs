@@ -1,10 +1,10 @@
-//! What a node's stream handlers share: the span, the model id, admission control, limits, the announced record
-//! and the metrics.
+//! What a node's stream handlers share: the span and the scheduler that batches its sessions' steps, the model id,
+//! admission control, limits, the announced record and the metrics.
 use crate::admission::{Admission, Usage};
 use crate::metrics::{BuildInfo, Metrics, MetricsSource};
 use crate::Result;
 use petal_model::compute::wire::wire_dtype;
-use petal_model::BlockSpan;
+use petal_model::{BlockSpan, SpanScheduler};
 use petal_proto::pb;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -12,6 +12,9 @@ use std::time::Duration;
 /// What the stream handlers share.
 pub struct ServerContext {
     pub span: Arc<BlockSpan>,
+    /// Every step of every session runs through it: concurrent sessions' steps are batched into one forward on a
+    /// thread of its own, off the async runtime.
+    pub scheduler: SpanScheduler,
     pub model_id: String,
     pub wire_dtype: pb::WireDType,
     pub admission: Arc<Admission>,
@@ -39,9 +42,13 @@ impl ServerContext {
             model_id: model_id.clone(),
             blocks: span.range(),
         });
+        let scheduler = SpanScheduler::builder(span.clone())
+            .on_batch(metrics.batch_recorder())
+            .start()?;
         Ok(Self {
             wire_dtype: wire_dtype(span.input_placement().dtype)?,
             span,
+            scheduler,
             model_id,
             admission,
             session_timeout,
@@ -69,7 +76,7 @@ impl ServerContext {
         r
     }
 
-    /// One step of `tokens` positions (batch x tokens) that took `compute_micros` of compute.
+    /// One step of `tokens` positions (batch x tokens) that took `compute_micros` of compute (the batch it ran in).
     pub fn record_step(&self, tokens: usize, compute_micros: u64) {
         self.metrics.record_step(tokens as u64, compute_micros);
     }

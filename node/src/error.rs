@@ -9,6 +9,9 @@ pub enum NodeError {
     /// that failed to load or compute.
     #[error(transparent)]
     Model(#[from] petal_model::ModelError),
+    /// The span scheduler's thread could not start.
+    #[error(transparent)]
+    Scheduler(#[from] petal_model::SchedulerError),
     /// The libp2p network could not start or accept streams.
     #[error(transparent)]
     Net(#[from] petal_p2p::NetError),

@@ -5,7 +5,7 @@
 use crate::admission::Reservation;
 use crate::context::ServerContext;
 use petal_model::compute::wire::{from_wire, to_wire};
-use petal_model::{BlockRange, ModelError, SpanCache};
+use petal_model::{BlockRange, ModelError, SchedulerError, SessionStep, SpanCache};
 use petal_p2p::{PeerId, Stream};
 use petal_proto::pb::{self, request, response, ErrorCode};
 use petal_proto::{FrameError, FramedStream, PROTOCOL_VERSION};
@@ -19,7 +19,7 @@ const MAX_SESSIONS_PER_STREAM: usize = 16;
 const MAX_BATCH: usize = 16;
 
 struct Session {
-    /// `None` only while a step runs on the blocking pool.
+    /// `None` only while a step runs on the span scheduler.
     cache: Option<SpanCache>,
     last_used: Instant,
     _reservation: Reservation,
@@ -264,42 +264,44 @@ async fn run_step(
         Ok(x) => x,
         Err(e) => return error(ErrorCode::BadRequest, e.to_string()),
     };
-    // Compute off the async runtime; the cache travels to the blocking pool and back.
-    let Some(mut cache) = session.cache.take() else {
+    // Compute off the async runtime, batched with the other sessions' steps: the cache travels to the span
+    // scheduler's thread and back.
+    let Some(cache) = session.cache.take() else {
         return error(ErrorCode::Internal, "session is busy");
     };
-    let span = ctx.span.clone();
     let tokens = shape[0] * shape[1];
-    let started = Instant::now();
-    let joined = tokio::task::spawn_blocking(move || {
-        let _span =
-            tracing::trace_span!("node_step", blocks = %cache.range(), position, tokens).entered();
-        let out = span.forward(&x, position, &mut cache);
-        (cache, out)
-    })
-    .await;
-    let out = match joined {
-        Ok((cache, out)) => {
-            session.cache = Some(cache);
-            out
+    let stepped = ctx
+        .scheduler
+        .step(SessionStep {
+            hidden: x,
+            position,
+            cache,
+        })
+        .await;
+    let (out, batch) = match stepped {
+        Ok(done) => {
+            session.cache = Some(done.cache);
+            (done.output, done.batch)
         }
         Err(e) => {
+            // The scheduler's thread is gone and the cache with it.
             sessions.remove(&step.session_id);
             return error(ErrorCode::Internal, format!("step failed: {e}"));
         }
     };
-    let compute_micros = started.elapsed().as_micros() as u64;
+    // The compute time of the batch the step ran in (shared with the steps batched with it).
+    let compute_micros = u64::try_from(batch.compute.as_micros()).unwrap_or(u64::MAX);
     ctx.record_step(tokens, compute_micros);
-    match out.and_then(|t| to_wire(&t, ctx.wire_dtype)) {
+    match out.and_then(|t| Ok(to_wire(&t, ctx.wire_dtype)?)) {
         Ok(hidden) => response::Kind::Step(pb::StepResult {
             session_id: step.session_id,
             position: step.position,
             hidden: Some(hidden),
             compute_micros,
         }),
-        Err(e @ (ModelError::Position { .. } | ModelError::TooLong { .. })) => {
-            error(ErrorCode::BadPosition, e.to_string())
-        }
+        Err(SchedulerError::Model(
+            e @ (ModelError::Position { .. } | ModelError::TooLong { .. }),
+        )) => error(ErrorCode::BadPosition, e.to_string()),
         Err(e) => {
             // The cache may be half-updated: the session cannot continue.
             sessions.remove(&step.session_id);

@@ -5,12 +5,14 @@
 //! | --- | --- | --- |
 //! | `petal_steps_total` | counter | inference steps computed |
 //! | `petal_tokens_processed_total` | counter | token positions computed (batch x tokens, summed over steps) |
-//! | `petal_step_duration_seconds` | histogram | compute time of one step through the session's blocks |
+//! | `petal_step_duration_seconds` | histogram | compute time of one step: the batch it ran in |
+//! | `petal_batch_sessions` | histogram | steps (sessions) per batched forward; `_count` batches, `_sum` steps |
 //! | `petal_sessions_open` | gauge | sessions holding a cache reservation |
 //! | `petal_kv_cache_tokens_used` / `_free` / `_total` | gauge | KV cache budget (`--cache-tokens`) in positions |
 //! | `petal_build_info` | gauge (always 1) | labels `version`, `model`, `model_id`, `blocks` |
 //!
-//! Counters and the histogram are updated by [`Metrics::record_step`] after each step; the gauges are read from
+//! Counters and the step histogram are updated by [`Metrics::record_step`] after each step, the batch histogram by
+//! [`Metrics::batch_recorder`] on the span scheduler's thread after each batch; the gauges are read from
 //! [`MetricsSource::usage`] (the node's admission control) when the page is rendered, so they are never stale.
 //!
 //! This module knows nothing of the server: the HTTP endpoint renders any [`MetricsSource`], which the server
@@ -22,7 +24,7 @@ use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
-use petal_model::BlockRange;
+use petal_model::{BatchInfo, BlockRange};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -43,6 +45,9 @@ pub const STEP_SECONDS_BUCKETS: [f64; 16] = [
     5.0, 10.0,
 ];
 
+/// Upper bounds of the batch size buckets, in steps: 1 (no batching) to 64 (the default session limit).
+pub const BATCH_SESSIONS_BUCKETS: [f64; 9] = [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0];
+
 /// What `petal_build_info` says about the node.
 #[derive(Debug, Clone)]
 pub struct BuildInfo {
@@ -59,6 +64,7 @@ pub struct Metrics {
     steps: Counter,
     tokens: Counter,
     step_seconds: Histogram,
+    batch_sessions: Histogram,
     sessions_open: Gauge,
     cache_used: Gauge,
     cache_free: Gauge,
@@ -71,6 +77,7 @@ impl Metrics {
         let steps = Counter::default();
         let tokens = Counter::default();
         let step_seconds = Histogram::new(STEP_SECONDS_BUCKETS);
+        let batch_sessions = Histogram::new(BATCH_SESSIONS_BUCKETS);
         let (sessions_open, cache_used, cache_free, cache_total): (Gauge, Gauge, Gauge, Gauge) =
             Default::default();
         registry.register(
@@ -85,9 +92,14 @@ impl Metrics {
         );
         registry.register_with_unit(
             "petal_step_duration",
-            "Compute time of one inference step through the session's blocks",
+            "Compute time of one inference step through the session's blocks (the batch it ran in)",
             Unit::Seconds,
             step_seconds.clone(),
+        );
+        registry.register(
+            "petal_batch_sessions",
+            "Steps (sessions) computed together in one batched forward",
+            batch_sessions.clone(),
         );
         registry.register(
             "petal_sessions_open",
@@ -128,6 +140,7 @@ impl Metrics {
             steps,
             tokens,
             step_seconds,
+            batch_sessions,
             sessions_open,
             cache_used,
             cache_free,
@@ -140,6 +153,12 @@ impl Metrics {
         self.steps.inc();
         self.tokens.inc_by(tokens);
         self.step_seconds.observe(compute_micros as f64 / 1e6);
+    }
+
+    /// What the span scheduler calls after each batch: observes the batch's size in `petal_batch_sessions`.
+    pub fn batch_recorder(&self) -> impl Fn(&BatchInfo) + Send + Sync + 'static {
+        let batch_sessions = self.batch_sessions.clone();
+        move |batch: &BatchInfo| batch_sessions.observe(batch.sessions as f64)
     }
 
     /// Sets the session and cache gauges.

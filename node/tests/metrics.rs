@@ -1,5 +1,6 @@
 //! The Prometheus endpoint: steps driven through the request state machine show up in `GET /metrics` (counters,
-//! latency histogram, session and cache gauges, build info), and `Node::start` serves it on `--metrics-listen`.
+//! latency and batch size histograms, session and cache gauges, build info), and `Node::start` serves it on
+//! `--metrics-listen`.
 mod common;
 
 use candle_core::{Device, Tensor};
@@ -170,6 +171,14 @@ async fn steps_show_up_in_the_scraped_metrics() {
     assert_eq!(sample(&page, &build), 1.0);
     assert!(page.contains("# TYPE petal_steps counter"));
     assert!(page.contains("# TYPE petal_step_duration_seconds histogram"));
+    // One session stepping alone: two batches of one step each (the batch is counted before its steps answer).
+    assert_eq!(sample(&page, "petal_batch_sessions_count"), 2.0);
+    assert_eq!(sample(&page, "petal_batch_sessions_sum"), 2.0);
+    assert_eq!(
+        sample(&page, "petal_batch_sessions_bucket{le=\"1.0\"}"),
+        2.0
+    );
+    assert!(page.contains("# TYPE petal_batch_sessions histogram"));
     assert!(page.contains("# UNIT petal_step_duration_seconds seconds"));
 
     // Closing gives the reservation back; counters keep their totals.

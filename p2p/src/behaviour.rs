@@ -1,5 +1,5 @@
 //! The composed libp2p behaviour: Kademlia (records + providers), identify (learn peers' listen addresses and
-//! protocols), ping (liveness and RTT for server selection), libp2p-stream (raw inference streams), and what makes
+//! protocols), ping (liveness and RTT for server selection), [`crate::streams`] (raw inference streams), and what makes
 //! peers behind NAT reachable ([`crate::reachability`]): AutoNAT, the circuit-relay client and server, and DCUtR.
 
 use std::time::Duration;
@@ -13,7 +13,7 @@ use libp2p::{
     StreamProtocol,
 };
 
-use crate::{reachability::RelayLimits, NetConfig};
+use crate::{reachability::RelayLimits, streams, NetConfig};
 
 /// Kademlia protocol name. Distinct from the IPFS DHT so a Petal node never joins (or pollutes) the public one.
 pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/petal/kad/1.0.0");
@@ -29,7 +29,7 @@ pub struct PetalBehaviour {
     pub kad: kad::Behaviour<MemoryStore>,
     pub identify: identify::Behaviour,
     pub ping: ping::Behaviour,
-    pub stream: libp2p_stream::Behaviour,
+    pub stream: streams::Behaviour,
     /// Listening and dialing through relays (`/p2p-circuit` addresses).
     pub relay_client: relay::client::Behaviour,
     /// Relaying for peers behind NAT: on unless `--no-relay`.
@@ -99,7 +99,7 @@ impl PetalBehaviour {
             kad,
             identify,
             ping,
-            stream: libp2p_stream::Behaviour::new(),
+            stream: streams::Behaviour::new(crate::network::inference_protocol()),
             relay_client,
             relay_server: Toggle::from(
                 config

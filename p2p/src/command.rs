@@ -65,9 +65,11 @@ pub(crate) enum Command {
     ConnectedPeers {
         reply: Reply<Vec<PeerId>>,
     },
-    /// Closes every connection to `peer`; answered once they are all gone.
+    /// Closes the connections to `peer` established before `established_before` (pending dials and newer
+    /// connections are left alone); answered once they are all gone.
     Disconnect {
         peer: PeerId,
+        established_before: std::time::Instant,
         reply: Reply<()>,
     },
     /// Whether the connection to `peer` is direct or relayed (`None`: not connected).

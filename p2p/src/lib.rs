@@ -20,6 +20,7 @@ pub mod identity;
 mod network;
 pub mod reachability;
 pub mod records;
+pub mod streams;
 
 pub use announcer::{Announcer, AnnouncerHandle};
 pub use behaviour::{IDENTIFY_PROTOCOL_VERSION, KAD_PROTOCOL};
@@ -32,4 +33,4 @@ pub use records::{find_servers, is_live, model_key, now_unix_ms, server_key, SER
 
 /// Re-exported so callers need not depend on libp2p directly for the types in this API.
 pub use libp2p::{identity::Keypair, Multiaddr, PeerId, Stream};
-pub use libp2p_stream::IncomingStreams;
+pub use streams::IncomingStreams;

@@ -34,7 +34,7 @@ pub fn inference_protocol() -> StreamProtocol {
 #[derive(Clone)]
 pub struct Network {
     commands: mpsc::Sender<Command>,
-    control: libp2p_stream::Control,
+    control: crate::streams::Control,
     peer_id: PeerId,
     reachability: tokio::sync::watch::Receiver<Reachability>,
 }
@@ -111,7 +111,7 @@ impl Network {
         for addr in &config.announce {
             swarm.add_external_address(addr.clone());
         }
-        let control = swarm.behaviour().stream.new_control();
+        let control = swarm.behaviour().stream.control();
         let (commands, receiver) = mpsc::channel(COMMAND_QUEUE);
         let reach = ReachabilityState::new(config.use_relays, &config.announce);
         let reachability = reach.subscribe();
@@ -274,31 +274,25 @@ impl Network {
         with_timeout(OPEN_STREAM_TIMEOUT, "open_stream", async {
             self.request(|reply| Command::Connect { peer, reply })
                 .await??;
-            let mut control = self.control.clone();
-            control
-                .open_stream(peer, inference_protocol())
+            self.control
+                .open_stream(peer)
                 .await
-                .map_err(|e| match e {
-                    libp2p_stream::OpenStreamError::UnsupportedProtocol(p) => {
-                        stream_error(format!("peer does not serve {p}"))
-                    }
-                    other => stream_error(other.to_string()),
-                })
+                .map_err(|e| stream_error(e.to_string()))
         })
         .await
     }
 
     /// Inbound inference streams, as `(peer, stream)` pairs. Only one acceptor may exist at a time; dropping it
-    /// allows a new one. Streams arriving while the acceptor is not polled are dropped by libp2p-stream, so poll
-    /// it continuously (hand each stream to its own task).
-    pub fn accept_streams(&self) -> Result<libp2p_stream::IncomingStreams, NetError> {
-        self.control
-            .clone()
-            .accept(inference_protocol())
-            .map_err(|e| NetError::Stream {
-                peer: self.peer_id,
-                reason: format!("cannot accept {}: {e}", petal_proto::INFERENCE_PROTOCOL),
-            })
+    /// allows a new one. Up to [`crate::streams::ACCEPT_BACKLOG`] streams wait while it is not polled; beyond that
+    /// they are reset, so poll it continuously (hand each stream to its own task).
+    pub fn accept_streams(&self) -> Result<crate::IncomingStreams, NetError> {
+        self.control.accept().ok_or_else(|| NetError::Stream {
+            peer: self.peer_id,
+            reason: format!(
+                "cannot accept {}: another acceptor is alive",
+                petal_proto::INFERENCE_PROTOCOL
+            ),
+        })
     }
 
     /// Latest ping round-trip time to `peer`, if connected and pinged at least once.
@@ -326,7 +320,24 @@ impl Network {
     /// Closes every connection to `peer` and waits (at most `timeout`) until they are gone, so the next
     /// [`Network::open_stream`] dials afresh instead of reusing a connection that is breaking.
     pub async fn disconnect(&self, peer: PeerId, timeout: Duration) {
-        let closed = self.request(|reply| Command::Disconnect { peer, reply });
+        self.close_connections_before(peer, std::time::Instant::now(), timeout)
+            .await
+    }
+
+    /// Closes the connections to `peer` established before `instant` (the moment one of them was seen failing)
+    /// and waits (at most `timeout`) until they are gone. Connections made since, and dials under way, are left
+    /// alone: other sessions to the same peer may already be using them.
+    pub async fn close_connections_before(
+        &self,
+        peer: PeerId,
+        instant: std::time::Instant,
+        timeout: Duration,
+    ) {
+        let closed = self.request(|reply| Command::Disconnect {
+            peer,
+            established_before: instant,
+            reply,
+        });
         if tokio::time::timeout(timeout, closed).await.is_err() {
             tracing::debug!(%peer, "connections still closing; going on");
         }

@@ -371,6 +371,53 @@ async fn inference_stream_over_tcp() {
     .await;
 }
 
+/// Streams opened all at once while the acceptor is busy wait in its backlog: none is reset. (libp2p-stream's
+/// rendezvous channel dropped every stream that arrived while the previous one was being handed over, which broke
+/// concurrent sessions.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_opened_at_once_all_reach_a_busy_acceptor() {
+    const STREAMS: usize = 48;
+    bounded(async {
+        let server = start(true, vec![loopback_tcp()], vec![]).await;
+        let client = start(false, vec![], vec![]).await;
+        client
+            .add_addresses(server.peer_id(), server.listen_addrs().await)
+            .await;
+        let mut incoming = server.accept_streams().expect("accept");
+        // Every stream is opened and written to before the acceptor is polled even once.
+        let opens = (0..STREAMS).map(|i| {
+            let client = client.clone();
+            let peer = server.peer_id();
+            async move {
+                let mut stream = client.open_stream(peer).await.expect("open_stream");
+                stream.write_all(&[i as u8]).await.expect("write");
+                stream.flush().await.expect("flush");
+                stream
+            }
+        });
+        let mut streams = futures::future::join_all(opens).await;
+        let mut seen = vec![];
+        for _ in 0..STREAMS {
+            let (_, mut stream) = incoming.next().await.expect("an inbound stream");
+            let mut byte = [0u8; 1];
+            stream.read_exact(&mut byte).await.expect("read");
+            stream.write_all(&byte).await.expect("echo");
+            stream.close().await.expect("close");
+            seen.push(byte[0] as usize);
+        }
+        seen.sort();
+        assert_eq!(seen, (0..STREAMS).collect::<Vec<_>>());
+        for (i, stream) in streams.iter_mut().enumerate() {
+            let mut reply = vec![];
+            stream.read_to_end(&mut reply).await.expect("read echo");
+            assert_eq!(reply, [i as u8]);
+        }
+        client.shutdown().await;
+        server.shutdown().await;
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inference_stream_over_quic() {
     bounded(async {

@@ -1,10 +1,10 @@
 //! The parts of the model the client keeps: token embeddings, the final norm and the LM head. Loaded without any
 //! block, so a client needs only these tensors.
+use crate::compute::linear::Linear;
 use crate::compute::placement::{normalise, Placement};
 use crate::compute::spec::ModelSpec;
 use crate::compute::weights::{HeadTensor, WeightSource};
 use crate::error::{ModelError, Result};
-use candle_core::quantized::QMatMul;
 use candle_core::{DType, IndexOp, Module, Tensor};
 use candle_nn::{Embedding, RmsNorm};
 
@@ -12,7 +12,7 @@ pub struct Head {
     placement: Placement,
     embed: Embedding,
     norm: RmsNorm,
-    lm_head: QMatMul,
+    lm_head: Linear,
     vocab_size: usize,
 }
 

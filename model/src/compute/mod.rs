@@ -1,10 +1,13 @@
 //! The numeric side of a model: what it is ([`spec`]), where its tensors come from ([`source`], [`weights`]), the
-//! blocks a node serves ([`block`], [`span`]), the client's local parts ([`head`]), where tensors live
-//! ([`placement`]) and how hidden states cross the wire ([`wire`]).
+//! blocks a node serves ([`block`], [`span`]) and the thread that batches their sessions' steps ([`scheduler`]), the
+//! client's local parts ([`head`]), where tensors live ([`placement`]) and how hidden states cross the wire
+//! ([`wire`]).
 pub mod block;
 pub mod block_range;
 pub mod head;
+pub mod linear;
 pub mod placement;
+pub mod scheduler;
 pub mod source;
 pub mod span;
 pub mod spec;

@@ -1,5 +1,5 @@
 //! A contiguous span of blocks as a node serves it, and the per-session state that goes with it.
-use crate::compute::block::{Block, KvCache, Rope};
+use crate::compute::block::{Block, BlockStep, KvCache, Rope};
 use crate::compute::block_range::BlockRange;
 use crate::compute::placement::Placement;
 use crate::compute::spec::ModelSpec;
@@ -107,7 +107,7 @@ impl BlockSpan {
             )));
         }
         let caches = (sub.start..sub.end)
-            .map(|i| self.blocks[i - self.range.start].new_cache())
+            .map(|i| self.blocks[i - self.range.start].new_cache(max_length))
             .collect();
         Ok(SpanCache {
             range: sub,
@@ -125,6 +125,75 @@ impl BlockSpan {
         position: usize,
         session: &mut SpanCache,
     ) -> Result<Tensor> {
+        let mut steps = [BatchStep {
+            hidden: hidden.clone(),
+            position,
+            cache: session,
+        }];
+        self.forward_batch(&mut steps).remove(0)
+    }
+
+    /// Runs several sessions' steps as one forward where they share blocks: one matmul over all their rows,
+    /// attention per session against its own cache. Each step is checked on its own, so a bad step fails alone and
+    /// leaves its session as it was; the others run. A session's result does not depend on the others in the batch.
+    pub fn forward_batch(&self, steps: &mut [BatchStep<'_>]) -> Vec<Result<Tensor>> {
+        let mut results: Vec<Result<Tensor>> = steps
+            .iter()
+            .map(|s| {
+                self.check(&s.hidden, s.position, s.cache)
+                    .map(|()| s.hidden.clone())
+            })
+            .collect();
+        let rows: usize = steps
+            .iter()
+            .map(|s| s.hidden.dims().iter().take(2).product::<usize>())
+            .sum();
+        let _span = tracing::trace_span!("span_forward", sessions = steps.len(), rows).entered();
+        for block in &self.blocks {
+            let i = block.index();
+            // The steps still running whose sessions include this block.
+            let live: Vec<usize> = (0..steps.len())
+                .filter(|&s| results[s].is_ok() && steps[s].cache.range.contains(i))
+                .collect();
+            if live.is_empty() {
+                continue;
+            }
+            let inputs: Vec<(Tensor, usize)> = live
+                .iter()
+                .filter_map(|&s| Some((results[s].as_ref().ok()?.clone(), steps[s].position)))
+                .collect();
+            let mut batch: Vec<BlockStep> = inputs
+                .into_iter()
+                .zip(caches_at(steps, &live, i))
+                .map(|((hidden, position), cache)| BlockStep {
+                    hidden,
+                    position,
+                    cache,
+                })
+                .collect();
+            match block.forward_batch(&mut batch) {
+                Ok(outs) => {
+                    for (&s, out) in live.iter().zip(outs) {
+                        results[s] = Ok(out);
+                    }
+                }
+                Err(e) => {
+                    for &s in &live {
+                        results[s] = Err(ModelError::Config(format!("block {i}: {e}")));
+                    }
+                }
+            }
+        }
+        for (s, r) in steps.iter_mut().zip(&results) {
+            if r.is_ok() {
+                s.cache.position += s.hidden.dims()[1];
+            }
+        }
+        results
+    }
+
+    /// Everything checked before a step computes.
+    fn check(&self, hidden: &Tensor, position: usize, session: &SpanCache) -> Result<()> {
         let dims = hidden.dims();
         if dims.len() != 3 || dims[2] != self.spec.hidden_size || dims[0] == 0 || dims[1] == 0 {
             return Err(ModelError::HiddenShape {
@@ -132,25 +201,43 @@ impl BlockSpan {
                 hidden_size: self.spec.hidden_size,
             });
         }
-        let tokens = dims[1];
-        session.check_step(position, tokens)?;
-        let _span = tracing::trace_span!("span_forward", blocks = %session.range, position, tokens)
-            .entered();
-        let mut x = hidden.clone();
-        for (cache, i) in session
-            .caches
-            .iter_mut()
-            .zip(session.range.start..session.range.end)
-        {
-            x = self.blocks[i - self.range.start].forward(&x, position, cache)?;
+        if !self.range.covers(&session.range) {
+            return Err(ModelError::BlockRange {
+                range: session.range.to_string(),
+                reason: format!("this span serves {}", self.range),
+            });
         }
-        session.position += tokens;
-        Ok(x)
+        session.check_step(position, dims[1])
     }
 }
 
+/// The caches of block `block` of the steps `live` (whose sessions all include it), borrowed mutably together.
+fn caches_at<'s>(
+    steps: &'s mut [BatchStep<'_>],
+    live: &[usize],
+    block: usize,
+) -> Vec<&'s mut KvCache> {
+    steps
+        .iter_mut()
+        .enumerate()
+        .filter(|(s, _)| live.contains(s))
+        .map(|(_, step)| {
+            let first = step.cache.range.start;
+            &mut step.cache.caches[block - first]
+        })
+        .collect()
+}
+
+/// One session's step in a batch: hidden states `[batch, tokens, hidden_size]` at `position`, and that session's
+/// cache. Sessions in one batch may differ in position, length and sub-range.
+pub struct BatchStep<'a> {
+    pub hidden: Tensor,
+    pub position: usize,
+    pub cache: &'a mut SpanCache,
+}
+
 /// One session's state on one span: a KV cache per block and the next expected position.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct SpanCache {
     range: BlockRange,
     caches: Vec<KvCache>,

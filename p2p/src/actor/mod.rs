@@ -54,6 +54,7 @@ struct ConnectionInfo {
     dialed: Option<Multiaddr>,
     /// Whether the peer's end of the connection is a loopback address (it runs on this machine).
     loopback: bool,
+    established: Instant,
 }
 
 /// A record lookup in flight: values already forwarded (to report each distinct value once) and where to send
@@ -128,8 +129,8 @@ pub(crate) struct Actor {
     dht_server: bool,
     /// Peers hole punching failed with, and when: a reconnect to them does not wait for another attempt.
     punch_failed: HashMap<PeerId, Instant>,
-    /// `Disconnect` callers, answered when the peer's last connection closes.
-    disconnects: HashMap<PeerId, Vec<Reply<()>>>,
+    /// `Disconnect` callers, each answered when the last of the connections it closes is gone.
+    disconnects: Vec<(HashSet<ConnectionId>, Reply<()>)>,
     /// Peers whose `Connect` callers wait for a direct connection, until the deadline.
     awaiting_direct: HashMap<PeerId, tokio::time::Instant>,
     reach: ReachabilityState,
@@ -162,7 +163,7 @@ impl Actor {
             connections: HashMap::new(),
             dht_server,
             awaiting_direct: HashMap::new(),
-            disconnects: HashMap::new(),
+            disconnects: Vec::new(),
             punch_failed: HashMap::new(),
             reach,
         }
@@ -450,11 +451,24 @@ impl Actor {
             Command::ConnectedPeers { reply } => {
                 let _ = reply.send(self.swarm.connected_peers().copied().collect());
             }
-            Command::Disconnect { peer, reply } => {
-                if self.swarm.disconnect_peer_id(peer).is_ok() {
-                    self.disconnects.entry(peer).or_default().push(reply);
-                } else {
+            Command::Disconnect {
+                peer,
+                established_before,
+                reply,
+            } => {
+                // Connection by connection, not `disconnect_peer_id`: that would also abort dials and close the
+                // fresh connections that other sessions to the same peer are opening at the same time.
+                let stale: HashSet<ConnectionId> = self
+                    .connections
+                    .iter()
+                    .filter(|(_, c)| c.peer == peer && c.established < established_before)
+                    .map(|(id, _)| *id)
+                    .filter(|id| self.swarm.close_connection(*id))
+                    .collect();
+                if stale.is_empty() {
                     let _ = reply.send(());
+                } else {
+                    self.disconnects.push((stale, reply));
                 }
             }
             Command::Path { peer, reply } => {
@@ -545,6 +559,7 @@ impl Actor {
                         relayed,
                         dialed,
                         loopback,
+                        established: Instant::now(),
                     },
                 );
                 self.on_connection_established(peer_id, relayed);
@@ -560,9 +575,15 @@ impl Actor {
                 self.connections.remove(&connection_id);
                 if num_established == 0 {
                     self.rtts.remove(&peer_id);
-                    for reply in self.disconnects.remove(&peer_id).unwrap_or_default() {
-                        let _ = reply.send(());
-                    }
+                }
+                for (closing, _) in &mut self.disconnects {
+                    closing.remove(&connection_id);
+                }
+                for (_, reply) in self
+                    .disconnects
+                    .extract_if(.., |(closing, _)| closing.is_empty())
+                {
+                    let _ = reply.send(());
                 }
                 self.on_connection_closed(peer_id);
             }

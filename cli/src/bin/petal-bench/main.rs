@@ -9,6 +9,10 @@
 //!
 //! Every generation, local or through a swarm, goes through the one decode loop ([`petal_client::Generator`]); the
 //! probe speaks the per-hop protocol through [`petal_client::HopClient`]; the swarms are [`petal_cli::LocalSwarm`]s.
+//!
+//! `petal-bench compare` measures Petal's side of the side-by-side benchmark with llama.cpp instead
+//! (`scripts/bench-compare`; see [`compare`]).
+mod compare;
 mod model;
 mod overhead;
 mod probe;
@@ -16,7 +20,7 @@ mod report;
 mod runs;
 
 use anyhow::{bail, ensure, Result};
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use petal_cli::app::{self, CommonArgs};
 use report::{round, Summary};
 use serde_json::{json, Value};
@@ -40,6 +44,8 @@ const PAIRED_MAX_BYTES: u64 = 1 << 30;
 struct Args {
     #[command(flatten)]
     common: CommonArgs,
+    #[command(subcommand)]
+    command: Option<Command>,
     /// Model: a Hugging Face directory, a .gguf file or a llama2.c .bin (default: SmolLM2-135M-Instruct Q4_1
     /// from $PETAL_MODELS or ../shared/models).
     #[arg(long, conflicts_with = "synthetic")]
@@ -87,8 +93,27 @@ struct Args {
     no_overhead: bool,
 }
 
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Petal's half of the side-by-side benchmark with llama.cpp (prefill, decode, decode at depth, concurrent
+    /// sessions, a chain against local, a node's resident size); scripts/bench-compare runs it with llama-bench.
+    Compare(compare::CompareArgs),
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
+    if let Some(Command::Compare(compare)) = &args.command {
+        // Progress of the comparison is logged at info; nodes and libp2p stay at warn.
+        return app::run(
+            &args.common,
+            "warn,libp2p_kad=error,petal_bench=info",
+            async {
+                let report = compare::run(compare).await?;
+                println!("{}", serde_json::to_string_pretty(&report)?);
+                Ok(())
+            },
+        );
+    }
     // Kademlia warns that the bootstrap peer, which has no peers of its own, cannot bootstrap: expected here.
     app::run(&args.common, "warn,libp2p_kad=error", async {
         let report = run(&args).await?;

@@ -1,24 +1,22 @@
 //! The SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
-use crate::error::Result;
-use candle_core::quantized::QMatMul;
-use candle_core::{Module, Tensor};
+use crate::compute::linear::{Linear, Stacked};
+use crate::error::{ModelError, Result};
+use candle_core::Tensor;
 
 #[derive(Debug, Clone)]
 pub struct Mlp {
-    pub(crate) gate: QMatMul,
-    pub(crate) up: QMatMul,
-    pub(crate) down: QMatMul,
-}
-
-impl Module for Mlp {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let gate = candle_nn::ops::silu(&self.gate.forward(x)?)?;
-        self.down.forward(&(gate * self.up.forward(x)?)?)
-    }
+    /// Gate and up, in that order.
+    pub(crate) gate_up: Stacked,
+    pub(crate) down: Linear,
 }
 
 impl Mlp {
     pub fn run(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.forward(x)?)
+        let [gate, up]: [Tensor; 2] = self
+            .gate_up
+            .forward(x)?
+            .try_into()
+            .map_err(|_| ModelError::Config("gate/up projection lost a part".into()))?;
+        self.down.forward(&(candle_nn::ops::silu(&gate)? * up)?)
     }
 }

@@ -5,15 +5,16 @@ mod mlp;
 mod rope;
 
 pub use attention::Attention;
+
 pub use kv_cache::KvCache;
 pub use mlp::Mlp;
 pub use rope::Rope;
 
+use crate::compute::linear::{Linear, Stacked};
 use crate::compute::placement::{normalise, Placement};
 use crate::compute::spec::ModelSpec;
 use crate::compute::weights::{BlockTensor, Weight, WeightSource};
 use crate::error::{ModelError, Result};
-use candle_core::quantized::QMatMul;
 use candle_core::{Module, Tensor};
 use candle_nn::RmsNorm;
 
@@ -57,16 +58,18 @@ impl Block {
         let norm = |t: BlockTensor| -> Result<RmsNorm> {
             Ok(RmsNorm::new(get(t, &[h])?.dense(p)?, spec.rms_eps))
         };
-        let matmul = |t: BlockTensor, out: usize, inp: usize| -> Result<QMatMul> {
+        let matmul = |t: BlockTensor, out: usize, inp: usize| -> Result<Linear> {
             get(t, &[out, inp])?.matmul(p)
         };
         Ok(Self {
             index,
             attn_norm: norm(BlockTensor::AttnNorm)?,
             attn: Attention {
-                q: matmul(BlockTensor::Q, q_dim, h)?,
-                k: matmul(BlockTensor::K, kv_dim, h)?,
-                v: matmul(BlockTensor::V, kv_dim, h)?,
+                qkv: Stacked::new(vec![
+                    matmul(BlockTensor::Q, q_dim, h)?,
+                    matmul(BlockTensor::K, kv_dim, h)?,
+                    matmul(BlockTensor::V, kv_dim, h)?,
+                ])?,
                 o: matmul(BlockTensor::O, h, q_dim)?,
                 num_heads: spec.num_heads,
                 num_kv_heads: spec.num_kv_heads,
@@ -75,8 +78,10 @@ impl Block {
             },
             ffn_norm: norm(BlockTensor::FfnNorm)?,
             mlp: Mlp {
-                gate: matmul(BlockTensor::Gate, ff, h)?,
-                up: matmul(BlockTensor::Up, ff, h)?,
+                gate_up: Stacked::new(vec![
+                    matmul(BlockTensor::Gate, ff, h)?,
+                    matmul(BlockTensor::Up, ff, h)?,
+                ])?,
                 down: matmul(BlockTensor::Down, h, ff)?,
             },
             placement,
@@ -91,21 +96,74 @@ impl Block {
         &self.placement
     }
 
-    /// A fresh, empty KV cache on this block's device and dtype.
-    pub fn new_cache(&self) -> KvCache {
-        KvCache::new(self.placement.clone())
+    /// A fresh, empty KV cache on this block's device and dtype, for at most `max_length` positions.
+    pub fn new_cache(&self, max_length: usize) -> KvCache {
+        KvCache::new(self.placement.clone(), max_length)
     }
 
     /// `x`: `[batch, tokens, hidden]` for positions `position..position + tokens`. The input is normalised to this
     /// block's placement first: this is the block boundary where devices and dtypes may change.
     pub fn forward(&self, x: &Tensor, position: usize, cache: &mut KvCache) -> Result<Tensor> {
-        let _span = tracing::trace_span!("block", index = self.index).entered();
-        let x = normalise(x, &self.placement)?;
-        let h = self
-            .attn
-            .forward(&self.attn_norm.forward(&x)?, position, cache)?;
-        let x = (h + &x)?;
-        let h = self.mlp.run(&self.ffn_norm.forward(&x)?)?;
-        Ok((h + x)?)
+        let mut out = self.forward_batch(&mut [BlockStep {
+            hidden: x.clone(),
+            position,
+            cache,
+        }])?;
+        Ok(out.remove(0))
     }
+
+    /// Several sessions' steps at once: their rows go through every projection and the MLP as one matrix; RoPE,
+    /// the cache and attention are per session. Returns each step's output, in order; a row's result does not
+    /// depend on the other rows.
+    pub fn forward_batch(&self, steps: &mut [BlockStep<'_>]) -> Result<Vec<Tensor>> {
+        let _span =
+            tracing::trace_span!("block", index = self.index, sessions = steps.len()).entered();
+        // Rows of every step side by side as one `[1, rows, hidden]` sequence: the shape a lone step has, so
+        // quantized matmuls take the same kernels batched or not.
+        let mut rows = Vec::with_capacity(steps.len());
+        let mut shapes = Vec::with_capacity(steps.len());
+        for s in steps.iter() {
+            let (b, t, h) = s.hidden.dims3()?;
+            rows.push(normalise(&s.hidden, &self.placement)?.reshape((1, b * t, h))?);
+            shapes.push((b, t, h));
+        }
+        let x = if rows.len() == 1 {
+            rows.remove(0)
+        } else {
+            Tensor::cat(&rows, 1)?
+        };
+        let projected = self.attn.project(&self.attn_norm.forward(&x)?)?;
+        let mut attended = Vec::with_capacity(steps.len());
+        let mut start = 0;
+        for (s, &(b, t, _)) in steps.iter_mut().zip(&shapes) {
+            attended.push(
+                self.attn
+                    .attend(&projected, (start, b, t), s.position, s.cache)?,
+            );
+            start += b * t;
+        }
+        let y = if attended.len() == 1 {
+            attended.remove(0)
+        } else {
+            Tensor::cat(&attended, 1)?
+        };
+        let x = (self.attn.output(&y)? + &x)?;
+        let x = (self.mlp.run(&self.ffn_norm.forward(&x)?)? + x)?;
+        let mut start = 0;
+        shapes
+            .into_iter()
+            .map(|(b, t, h)| {
+                let out = x.narrow(1, start, b * t)?.reshape((b, t, h))?;
+                start += b * t;
+                Ok(out)
+            })
+            .collect()
+    }
+}
+
+/// One session's step through a block: hidden states `[batch, tokens, hidden]` at `position`, and its cache.
+pub struct BlockStep<'a> {
+    pub hidden: Tensor,
+    pub position: usize,
+    pub cache: &'a mut KvCache,
 }

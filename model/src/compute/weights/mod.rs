@@ -11,9 +11,10 @@ pub use gguf::GgufWeights;
 pub use llama2c::Llama2cWeights;
 pub use safetensors::SafetensorsWeights;
 
+use crate::compute::linear::Linear;
 use crate::compute::placement::Placement;
 use crate::error::Result;
-use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Tensor};
 use sha2::Sha256;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -67,12 +68,12 @@ impl Weight {
         }
     }
 
-    /// A matmul weight. Quantized weights stay quantized when the block computes in f32 (candle's quantized
-    /// kernels take f32 activations); for f16/bf16 blocks they are dequantized to the block's dtype.
-    pub fn matmul(&self, p: &Placement) -> Result<QMatMul> {
+    /// A matmul weight. Quantized weights stay quantized when the block computes in f32 (quantized kernels take
+    /// f32 activations); for f16/bf16 blocks they are dequantized to the block's dtype.
+    pub fn matmul(&self, p: &Placement) -> Result<Linear> {
         match self {
-            Self::Quantized(q) if p.dtype == DType::F32 => Ok(QMatMul::from_arc(q.clone())?),
-            other => Ok(QMatMul::Tensor(other.dense(p)?)),
+            Self::Quantized(q) if p.dtype == DType::F32 => Linear::quantized(q.clone(), &p.device),
+            other => Ok(Linear::dense(other.dense(p)?)),
         }
     }
 }

@@ -75,7 +75,9 @@ impl ApiError {
     /// Maps a generation failure: the swarm's troubles are 503, this process's own are 500.
     pub fn from_client(e: &petal_client::ClientError) -> Self {
         match e {
-            petal_client::ClientError::Model(_) => Self::internal(e.to_string()),
+            petal_client::ClientError::Model(_) | petal_client::ClientError::LocalCompute(_) => {
+                Self::internal(e.to_string())
+            }
             petal_client::ClientError::Request(reason) => Self::invalid(None, reason.clone()),
             _ => Self::unavailable(e.to_string()),
         }
