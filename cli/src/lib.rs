@@ -7,3 +7,10 @@ pub mod logging;
 pub mod seconds;
 
 pub use local_swarm::{LocalSwarm, LocalSwarmError};
+
+/// The private swarm's key from `--swarm-key FILE`, when given (every binary takes the flag).
+pub fn load_swarm_key(
+    path: Option<&std::path::Path>,
+) -> anyhow::Result<Option<petal_p2p::swarm_key::PreSharedKey>> {
+    Ok(path.map(petal_p2p::swarm_key::load_from_file).transpose()?)
+}

@@ -3,7 +3,7 @@
 use petal_client::{ClientError, SwarmClient};
 use petal_model::BlockRange;
 use petal_node::{Node, NodeConfig, NodeError};
-use petal_p2p::{Keypair, Multiaddr, Network};
+use petal_p2p::{Keypair, Multiaddr, NetConfig, Network};
 use std::path::Path;
 use std::time::Duration;
 
@@ -40,15 +40,12 @@ pub struct LocalSwarm {
 impl LocalSwarm {
     /// A bootstrap peer and no node yet.
     pub async fn bootstrap() -> Result<Self, LocalSwarmError> {
-        let bootstrap = petal_node::start_bootstrap(
-            Keypair::generate_ed25519(),
-            vec![loopback()],
-            BOOTSTRAP_RECORD_TTL,
-            vec![],
-            None,
-        )
-        .await
-        .map_err(LocalSwarmError::Bootstrap)?;
+        let mut config = NetConfig::new(Keypair::generate_ed25519());
+        config.listen = vec![loopback()];
+        config.record_ttl = BOOTSTRAP_RECORD_TTL;
+        let bootstrap = petal_node::start_bootstrap(config)
+            .await
+            .map_err(LocalSwarmError::Bootstrap)?;
         let bootstrap_addrs = bootstrap.listen_addrs().await;
         Ok(Self {
             bootstrap,

@@ -24,8 +24,9 @@ pub struct ChainConfig {
     pub step_timeout: Duration,
     /// Time to find servers covering a range (at open, and for a replacement).
     pub discovery_timeout: Duration,
-    /// Replacements one step may go through before giving up.
-    pub max_failovers: usize,
+    /// Time the open, or one step, may spend routing around failing servers (trying others, replaying) before
+    /// it gives up with the last error. Zero: the first failure is final.
+    pub failover_budget: Duration,
 }
 
 impl Default for ChainConfig {
@@ -33,7 +34,7 @@ impl Default for ChainConfig {
         Self {
             step_timeout: Duration::from_secs(30),
             discovery_timeout: Duration::from_secs(20),
-            max_failovers: 5,
+            failover_budget: Duration::from_secs(90),
         }
     }
 }
@@ -128,11 +129,12 @@ impl ChainSession {
         let config = self.config.clone();
         async move {
             let net = client.network();
-            let mut attempts = 0;
+            let deadline = Instant::now() + config.failover_budget;
             'plan: loop {
                 let route = client
                     .plan(&model_id, range, config.discovery_timeout)
                     .await?;
+                let banned = client.banned();
                 let mut links = Vec::with_capacity(route.len());
                 for hop in route {
                     let peer = hop.record.peer_id.clone();
@@ -141,10 +143,13 @@ impl ChainSession {
                             hop,
                             history: vec![],
                         }),
-                        Err(e) if e.is_retryable() && attempts < config.max_failovers => {
+                        Err(e) if e.is_retryable() && Instant::now() < deadline => {
                             tracing::warn!(%peer, error = %e, "server refused or failed to open a session; routing around it");
                             client.ban(&peer);
-                            attempts += 1;
+                            if banned.contains(&peer) {
+                                // It was chosen although banned, for want of others, and failed again.
+                                return Err(e);
+                            }
                             continue 'plan;
                         }
                         Err(e) => return Err(e),
@@ -201,7 +206,7 @@ impl ChainSession {
         let mut x = hidden.clone();
         let mut timings = Vec::with_capacity(self.links.len());
         let mut hop = 0;
-        let mut failovers = 0;
+        let deadline = Instant::now() + self.config.failover_budget;
         while hop < self.links.len() {
             let link = &mut self.links[hop];
             match link
@@ -218,9 +223,8 @@ impl ChainSession {
                     x = out.hidden;
                     hop += 1;
                 }
-                Err(e) if e.is_retryable() && failovers < self.config.max_failovers => {
-                    failovers += 1;
-                    self.replace(hop, e).await?;
+                Err(e) if e.is_retryable() && Instant::now() < deadline => {
+                    self.replace(hop, e, deadline).await?;
                 }
                 Err(e) => return Err(e),
             }
@@ -229,8 +233,9 @@ impl ChainSession {
         Ok((x, timings))
     }
 
-    /// Replaces hop `i` by a new chain over its blocks and replays its history there.
-    async fn replace(&mut self, i: usize, cause: ClientError) -> Result<()> {
+    /// Replaces hop `i` by a new chain over its blocks and replays its history there, trying other servers until
+    /// `deadline`.
+    async fn replace(&mut self, i: usize, cause: ClientError, deadline: Instant) -> Result<()> {
         let started = Instant::now();
         let failed = self.links.remove(i);
         let failed_hop = failed.hop.hop().clone();
@@ -273,8 +278,8 @@ impl ChainSession {
         }
         tracing::warn!(peer = %failed_hop.peer_id(), %range, error = %cause, "server failed; replacing it");
         self.client.ban(failed_hop.peer_id());
-        let mut attempts = 0;
         loop {
+            let banned = self.client.banned();
             let mut fresh = self.open_chain(range).await?;
             match replay(&mut fresh, &failed.history, self.config.step_timeout).await {
                 Ok(()) => {
@@ -284,9 +289,12 @@ impl ChainSession {
                     self.links.splice(i..i, fresh);
                     return Ok(());
                 }
-                Err((hop, e)) if e.is_retryable() && attempts < self.config.max_failovers => {
-                    self.client.ban(fresh[hop].hop.hop().peer_id());
-                    attempts += 1;
+                Err((hop, e)) if e.is_retryable() && Instant::now() < deadline => {
+                    let peer = fresh[hop].hop.hop().peer_id();
+                    self.client.ban(peer);
+                    if banned.contains(peer) {
+                        return Err(e);
+                    }
                 }
                 Err((_, e)) => return Err(e),
             }

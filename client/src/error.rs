@@ -55,19 +55,14 @@ impl ClientError {
         matches!(self, Self::Net(_) | Self::Protocol { .. })
     }
 
-    /// Whether another server might succeed where this one failed: connection trouble, timeouts, and refusals that
-    /// depend on the server's state. Bad requests and model mismatches would fail anywhere.
+    /// Whether another server might succeed where this one failed: anything a server said or did. Its error code
+    /// cannot decide this (a hostile or broken server would answer "bad request" to everything and stop the
+    /// client); what fails everywhere is cut short by the failover budget and by bans. Local errors are final.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Self::Net(_) | Self::Protocol { .. } | Self::Timeout { .. } => true,
-            Self::Server { code, .. } => matches!(
-                code,
-                pb::ErrorCode::Internal
-                    | pb::ErrorCode::ShuttingDown
-                    | pb::ErrorCode::Busy
-                    | pb::ErrorCode::CacheFull
-                    | pb::ErrorCode::Unspecified
-            ),
+            Self::Net(_) | Self::Protocol { .. } | Self::Timeout { .. } | Self::Server { .. } => {
+                true
+            }
             Self::Model(_) | Self::LocalCompute(_) | Self::Request(_) | Self::Uncovered { .. } => {
                 false
             }

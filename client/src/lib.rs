@@ -5,6 +5,7 @@
 //! of hops and replaces failed servers. [`ModelBlocks`] is "the blocks of a model", in this process
 //! ([`LocalSpans`]) or on a chain ([`RemoteChain`]); [`Generator`] is the one decode loop over either, on a session
 //! a [`Conversation`] can keep across chat turns.
+pub mod bans;
 pub mod blocks;
 pub mod chain;
 pub mod conversation;

@@ -1,15 +1,19 @@
 //! Joining the swarm as a client, finding servers, and remembering which ones failed us.
+use crate::bans::Bans;
 use crate::error::{ClientError, Result};
 use crate::router::{plan_range, Hop, UNKNOWN_RTT};
 use petal_model::BlockRange;
 use petal_p2p::{find_servers, ConnectionPath, Keypair, Multiaddr, NatStatus, NetConfig, Network};
+use petal_p2p::{swarm_key::PreSharedKey, PeerId};
 use petal_proto::pb::ServerRecord;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// How long a server that failed a request is left out of new routes.
-pub const BAN_DURATION: Duration = Duration::from_secs(60);
+/// Bound on connecting to one candidate server while planning. Candidates are dialed all at once, so records
+/// pointing at dead or black-holed addresses cost this much once, not once each. (A server reached through a relay
+/// may still be hole punching then; it counts as reachable.)
+pub const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Added to the RTT of a server reached through a relay (or, before any connection, of one that announces itself
 /// unreachable): every byte takes the relay's detour and shares its limits, so a direct server of equal RTT wins.
 pub const RELAYED_PENALTY: Duration = Duration::from_millis(100);
@@ -18,7 +22,7 @@ pub const RELAYED_PENALTY: Duration = Duration::from_millis(100);
 #[derive(Clone)]
 pub struct SwarmClient {
     net: Network,
-    banned: Arc<Mutex<HashMap<String, Instant>>>,
+    bans: Arc<Mutex<Bans>>,
 }
 
 impl SwarmClient {
@@ -28,8 +32,14 @@ impl SwarmClient {
     /// leave from those ports, so the address its NAT maps them to is stable, which is what hole punching to a
     /// server behind another NAT needs.
     pub async fn connect(bootstrap: Vec<Multiaddr>) -> Result<Self> {
+        Self::join(bootstrap, None).await
+    }
+
+    /// [`SwarmClient::connect`] to a private swarm when `swarm_key` is set ([`petal_p2p::swarm_key`]).
+    pub async fn join(bootstrap: Vec<Multiaddr>, swarm_key: Option<PreSharedKey>) -> Result<Self> {
         let mut config = NetConfig::new(Keypair::generate_ed25519());
         config.bootstrap = bootstrap;
+        config.swarm_key = swarm_key;
         config.listen = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
             .iter()
             .filter_map(|a| a.parse().ok())
@@ -40,7 +50,7 @@ impl SwarmClient {
         }
         Ok(Self {
             net,
-            banned: Arc::default(),
+            bans: Arc::default(),
         })
     }
 
@@ -57,22 +67,37 @@ impl SwarmClient {
         Ok(find_servers(&self.net, model_id, timeout).await?)
     }
 
-    /// Leaves `peer` out of routes for [`BAN_DURATION`].
+    /// Leaves `peer` out of routes for a while: longer each time it fails again ([`crate::bans`]).
     pub fn ban(&self, peer: &str) {
-        if let Ok(mut b) = self.banned.lock() {
-            b.insert(peer.to_string(), Instant::now() + BAN_DURATION);
-        }
+        let mut bans = self.bans.lock().unwrap_or_else(|e| e.into_inner());
+        let for_ = bans.strike(peer, Instant::now());
+        tracing::debug!(%peer, seconds = for_.as_secs_f64(), "server left out of routes");
     }
 
-    /// Peers currently banned.
+    /// Peers currently left out of routes.
     pub fn banned(&self) -> HashSet<String> {
-        let now = Instant::now();
-        match self.banned.lock() {
-            Ok(mut b) => {
-                b.retain(|_, until| *until > now);
-                b.keys().cloned().collect()
+        let mut bans = self.bans.lock().unwrap_or_else(|e| e.into_inner());
+        bans.banned(Instant::now())
+    }
+
+    /// Dials every server in `servers` not yet connected, all at once, each within [`DIAL_TIMEOUT`], and bans
+    /// those that cannot be reached, so a plan never waits on dead records one after another.
+    async fn reach(&self, servers: &[ServerRecord]) {
+        let banned = self.banned();
+        let dials = servers
+            .iter()
+            .filter(|s| !banned.contains(&s.peer_id))
+            .filter_map(|s| Some((s.peer_id.clone(), s.peer_id.parse::<PeerId>().ok()?)))
+            .map(|(id, peer)| async move {
+                let result = self.net.connect(peer, DIAL_TIMEOUT).await;
+                let connected = result.is_ok() || self.net.connection_path(peer).await.is_some();
+                (id, connected, result)
+            });
+        for (peer, connected, result) in futures::future::join_all(dials).await {
+            if let (false, Err(e)) = (connected, result) {
+                tracing::debug!(%peer, error = %e, "server unreachable");
+                self.ban(&peer);
             }
-            Err(_) => HashSet::new(),
         }
     }
 
@@ -90,6 +115,7 @@ impl SwarmClient {
             let servers = self
                 .find_servers(Some(model_id), left.min(Duration::from_secs(5)))
                 .await?;
+            self.reach(&servers).await;
             let mut rtts = HashMap::new();
             for s in &servers {
                 if let Ok(peer) = s.peer_id.parse() {
@@ -108,13 +134,19 @@ impl SwarmClient {
                     }
                 }
             }
-            match plan_range(
-                model_id,
-                &servers,
-                range,
-                |p| rtts.get(p).copied(),
-                &self.banned(),
-            ) {
+            let rtt = |p: &str| rtts.get(p).copied();
+            let banned = self.banned();
+            let route = plan_range(model_id, &servers, range, rtt, &banned).or_else(|e| {
+                // A ban is a preference: when the servers left for some blocks all failed us recently, try them
+                // again rather than give up (the caller ends the attempt if one fails again).
+                match e {
+                    ClientError::Uncovered { .. } if !banned.is_empty() => {
+                        plan_range(model_id, &servers, range, rtt, &HashSet::new()).map_err(|_| e)
+                    }
+                    e => Err(e),
+                }
+            });
+            match route {
                 Ok(route) => return Ok(route),
                 Err(ClientError::Uncovered { .. })
                     if tokio::time::Instant::now() + Duration::from_millis(500) < deadline =>

@@ -6,6 +6,7 @@ use candle_core::DType;
 use petal_model::compute::placement::DeviceSpec;
 use petal_model::compute::wire::wire_dtype;
 use petal_model::{BlockRange, BlockSpan, ModelSource};
+use petal_p2p::swarm_key::PreSharedKey;
 use petal_p2p::{
     Announcer, AnnouncerHandle, Keypair, Multiaddr, NetConfig, Network, PeerId, Reachability,
     RelayLimits,
@@ -37,6 +38,8 @@ pub struct NodeConfig {
     pub announce: Vec<Multiaddr>,
     /// Relay for peers behind NAT with these limits (`None`: `--no-relay`).
     pub relay: Option<RelayLimits>,
+    /// The private swarm's key (`--swarm-key`); `None`: an open swarm.
+    pub swarm_key: Option<PreSharedKey>,
     pub public_name: String,
     /// KV cache budget in token positions across all sessions.
     pub cache_tokens: usize,
@@ -64,6 +67,7 @@ impl NodeConfig {
             bootstrap: vec![],
             announce: vec![],
             relay: Some(RelayLimits::default()),
+            swarm_key: None,
             public_name: String::new(),
             cache_tokens: 16384,
             max_sessions: 64,
@@ -129,6 +133,7 @@ impl Node {
         net_config.announce = config.announce.clone();
         net_config.relay = config.relay.clone();
         net_config.use_relays = true;
+        net_config.swarm_key = config.swarm_key;
         let net = Network::start(net_config).await?;
         let listen_addrs = net.listen_addrs().await;
         if let Err(e) = net.bootstrap().await {
@@ -341,20 +346,9 @@ async fn keep_record_current(
     }
 }
 
-/// A bootstrap peer: a DHT server that hosts no blocks, and (unless `relay` is `None`) a relay for peers behind
-/// NAT. `announce`: addresses it is reachable at that it cannot see itself.
-pub async fn start_bootstrap(
-    keypair: Keypair,
-    listen: Vec<Multiaddr>,
-    record_ttl: Duration,
-    announce: Vec<Multiaddr>,
-    relay: Option<RelayLimits>,
-) -> Result<Network> {
-    let mut config = NetConfig::new(keypair);
-    config.listen = listen;
+/// A bootstrap peer: a DHT server that hosts no blocks, and (unless `config.relay` is `None`) a relay for peers
+/// behind NAT. `config.dht_server` is forced on.
+pub async fn start_bootstrap(mut config: NetConfig) -> Result<Network> {
     config.dht_server = true;
-    config.record_ttl = record_ttl;
-    config.announce = announce;
-    config.relay = relay;
     Ok(Network::start(config).await?)
 }

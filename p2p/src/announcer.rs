@@ -9,7 +9,6 @@
 use std::time::Duration;
 
 use petal_proto::pb::ServerRecord;
-use prost::Message;
 use tokio::{
     sync::{mpsc, oneshot, watch},
     task::JoinHandle,
@@ -113,8 +112,8 @@ struct State {
 }
 
 impl State {
-    /// Stamps and encodes `record` for publication.
-    async fn stamp(&self, mut record: ServerRecord, withdrawn: bool) -> Vec<u8> {
+    /// Stamps and signs `record` for publication.
+    async fn stamp(&self, mut record: ServerRecord, withdrawn: bool) -> Result<Vec<u8>, NetError> {
         record.peer_id = self.network.peer_id().to_string();
         if record.addrs.is_empty() {
             record.addrs = crate::reachability::announceable(self.network.listen_addrs().await)
@@ -128,7 +127,7 @@ impl State {
         record.updated_unix_ms = now_unix_ms();
         record.ttl_ms = u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX);
         record.withdrawn = withdrawn;
-        record.encode_to_vec()
+        self.network.sign_record(&record)
     }
 
     /// Puts the record and (re)announces the provider keys that are not announced yet. Failures are logged and
@@ -137,7 +136,7 @@ impl State {
     /// Returns `Err(NetError::Closed)` only when the network is gone, which ends the announcer.
     async fn publish(&mut self, record: ServerRecord) -> Result<(), NetError> {
         let model_id = record.model_id.clone();
-        let value = self.stamp(record, false).await;
+        let value = self.stamp(record, false).await?;
         let key = server_key(&self.network.peer_id());
         match self.network.put_record(key, value, self.ttl).await {
             Ok(()) => {}
@@ -173,7 +172,7 @@ impl State {
             self.network.stop_providing(model_key(&old)).await;
         }
         self.network.stop_providing(SERVERS_KEY.to_vec()).await;
-        let value = self.stamp(record, true).await;
+        let value = self.stamp(record, true).await?;
         let key = server_key(&self.network.peer_id());
         self.network.put_record(key, value, self.ttl).await?;
         tracing::info!("server record withdrawn");

@@ -70,11 +70,14 @@ impl PetalBehaviour {
             // Provider answers for the "all servers" key list every server; the 16 KiB default is too small.
             .set_max_packet_size(1024 * 1024)
             // Write-back caching would copy records to peers without renewing them; we never use it.
-            .set_caching(kad::Caching::Disabled);
+            .set_caching(kad::Caching::Disabled)
+            // Inbound puts go through `actor::dht_store`, which keeps only signed server records and a quota of
+            // provider records per peer.
+            .set_record_filtering(kad::StoreInserts::FilterBoth);
 
         let store_config = MemoryStoreConfig {
             max_records: 16 * 1024,
-            max_value_bytes: 64 * 1024,
+            max_value_bytes: crate::records::MAX_RECORD_BYTES,
             // Every server provides the same two keys; the default (20, the replication factor) would make the
             // closest peers forget all but 20 servers of a model.
             max_providers_per_key: 1024,

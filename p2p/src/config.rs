@@ -41,6 +41,9 @@ pub struct NetConfig {
     pub relay: Option<RelayLimits>,
     /// Reserve slots on relays and listen through them when AutoNAT finds this node unreachable (servers).
     pub use_relays: bool,
+    /// The private swarm's pre-shared key ([`crate::swarm_key`]): only peers holding it can connect. QUIC is off
+    /// when it is set.
+    pub swarm_key: Option<crate::swarm_key::PreSharedKey>,
 }
 
 impl NetConfig {
@@ -56,6 +59,7 @@ impl NetConfig {
             announce: Vec::new(),
             relay: None,
             use_relays: false,
+            swarm_key: None,
         }
     }
 }

@@ -28,6 +28,9 @@ pub enum NetError {
     /// The identity key file is missing, unreadable or corrupt (or would be overwritten).
     #[error("identity file {}: {reason}", path.display())]
     Identity { path: PathBuf, reason: String },
+    /// The swarm key file is missing, unreadable or not a swarm key (or would be overwritten).
+    #[error("swarm key file {}: {reason}", path.display())]
+    SwarmKey { path: PathBuf, reason: String },
     /// An operation did not finish in time; the text names the operation.
     #[error("timed out: {0}")]
     Timeout(&'static str),

@@ -25,9 +25,18 @@ pub fn generate_to_file(path: &Path) -> Result<PeerId, NetError> {
     let bytes = keypair
         .to_protobuf_encoding()
         .map_err(|e| identity_error(path, format!("cannot encode key: {e}")))?;
+    write_secret_file(path, &bytes, "an identity key")
+        .map_err(|reason| identity_error(path, reason))?;
+    let peer_id = keypair.public().to_peer_id();
+    tracing::info!(path = %path.display(), %peer_id, "generated new identity key");
+    Ok(peer_id)
+}
+
+/// Writes `bytes` to a new file at `path` with mode 0600, creating parent directories. Refuses to overwrite an
+/// existing file (`what` names the secret in that error). Errors are reasons, for the caller's typed error.
+pub(crate) fn write_secret_file(path: &Path, bytes: &[u8], what: &str) -> Result<(), String> {
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        fs::create_dir_all(parent)
-            .map_err(|e| identity_error(path, format!("cannot create directory: {e}")))?;
+        fs::create_dir_all(parent).map_err(|e| format!("cannot create directory: {e}"))?;
     }
     let mut options = fs::OpenOptions::new();
     // create_new: fail (rather than truncate) if the file exists; checked atomically by the OS.
@@ -39,20 +48,14 @@ pub fn generate_to_file(path: &Path) -> Result<PeerId, NetError> {
     }
     let mut file = options.open(path).map_err(|e| {
         if e.kind() == std::io::ErrorKind::AlreadyExists {
-            identity_error(
-                path,
-                "already exists; refusing to overwrite an identity key",
-            )
+            format!("already exists; refusing to overwrite {what}")
         } else {
-            identity_error(path, e)
+            e.to_string()
         }
     })?;
-    file.write_all(&bytes)
+    file.write_all(bytes)
         .and_then(|()| file.sync_all())
-        .map_err(|e| identity_error(path, format!("cannot write key: {e}")))?;
-    let peer_id = keypair.public().to_peer_id();
-    tracing::info!(path = %path.display(), %peer_id, "generated new identity key");
-    Ok(peer_id)
+        .map_err(|e| format!("cannot write: {e}"))
 }
 
 /// Loads a key written by [`generate_to_file`].

@@ -21,6 +21,7 @@ mod network;
 pub mod reachability;
 pub mod records;
 pub mod streams;
+pub mod swarm_key;
 
 pub use announcer::{Announcer, AnnouncerHandle};
 pub use behaviour::{IDENTIFY_PROTOCOL_VERSION, KAD_PROTOCOL};

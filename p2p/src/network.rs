@@ -4,8 +4,13 @@
 use std::{collections::HashSet, future::Future, time::Duration};
 
 use libp2p::{
-    identity::Keypair, kad::QueryId, multiaddr::Protocol, noise, tcp, yamux, Multiaddr, PeerId,
-    Stream, StreamProtocol, Swarm, SwarmBuilder,
+    core::{upgrade, Transport},
+    identity::Keypair,
+    kad::QueryId,
+    multiaddr::Protocol,
+    noise,
+    pnet::PnetConfig,
+    tcp, yamux, Multiaddr, PeerId, Stream, StreamProtocol, Swarm, SwarmBuilder,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -16,6 +21,7 @@ use crate::{
     reachability::{ConnectionPath, Reachability, ReachabilityState},
     NetConfig, NetError,
 };
+use petal_proto::pb::ServerRecord;
 
 /// Bound on binding listeners in [`Network::start`].
 const LISTEN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -36,6 +42,8 @@ pub struct Network {
     commands: mpsc::Sender<Command>,
     control: crate::streams::Control,
     peer_id: PeerId,
+    /// Signs this peer's server record.
+    keypair: Keypair,
     reachability: tokio::sync::watch::Receiver<Reachability>,
 }
 
@@ -58,27 +66,51 @@ fn parse_bootstrap(addr: &Multiaddr) -> Result<PeerId, NetError> {
     }
 }
 
+/// The swarm over `transport_builder` (a builder in its transport phase): DNS, the relay client, the behaviour.
+macro_rules! finish_swarm {
+    ($transport_builder:expr, $config:expr) => {
+        $transport_builder
+            // /dns4 and /dns6 addresses (compose service names, `--announce-addr` host names).
+            .with_dns()
+            .map_err(|e| NetError::Transport(format!("dns: {e}")))?
+            .with_relay_client(noise::Config::new, yamux::Config::default)
+            .map_err(|e| NetError::Transport(format!("relay client: {e}")))?
+            .with_behaviour(|key, relay_client| PetalBehaviour::new(key, relay_client, $config))
+            .map_err(|e| NetError::Transport(format!("behaviour: {e}")))?
+            .with_swarm_config(|c| c.with_idle_connection_timeout($config.idle_connection_timeout))
+            .build()
+    };
+}
+
 fn build_swarm(config: &NetConfig) -> Result<Swarm<PetalBehaviour>, NetError> {
     let keypair: Keypair = config.keypair.clone();
-    let swarm = SwarmBuilder::with_existing_identity(keypair)
-        .with_tokio()
-        .with_tcp(
-            // Inference steps are small request/response frames: Nagle would add latency to each.
-            tcp::Config::default().nodelay(true),
-            noise::Config::new,
-            yamux::Config::default,
-        )
-        .map_err(|e| NetError::Transport(format!("tcp/noise: {e}")))?
-        .with_quic()
-        // /dns4 and /dns6 addresses (compose service names, `--announce-addr` host names).
-        .with_dns()
-        .map_err(|e| NetError::Transport(format!("dns: {e}")))?
-        .with_relay_client(noise::Config::new, yamux::Config::default)
-        .map_err(|e| NetError::Transport(format!("relay client: {e}")))?
-        .with_behaviour(|key, relay_client| PetalBehaviour::new(key, relay_client, config))
-        .map_err(|e| NetError::Transport(format!("behaviour: {e}")))?
-        .with_swarm_config(|c| c.with_idle_connection_timeout(config.idle_connection_timeout))
-        .build();
+    // Inference steps are small request/response frames: Nagle would add latency to each.
+    let tcp_config = || tcp::Config::default().nodelay(true);
+    let builder = SwarmBuilder::with_existing_identity(keypair).with_tokio();
+    let swarm = match config.swarm_key {
+        None => finish_swarm!(
+            builder
+                .with_tcp(tcp_config(), noise::Config::new, yamux::Config::default)
+                .map_err(|e| NetError::Transport(format!("tcp/noise: {e}")))?
+                .with_quic(),
+            config
+        ),
+        // A private swarm: TCP only, every connection wrapped in pnet before noise.
+        Some(psk) => finish_swarm!(
+            builder
+                .with_other_transport(
+                    |key| -> Result<_, Box<dyn std::error::Error + Send + Sync>> {
+                        Ok(tcp::tokio::Transport::new(tcp_config())
+                            .and_then(move |socket, _| PnetConfig::new(psk).handshake(socket))
+                            .upgrade(upgrade::Version::V1Lazy)
+                            .authenticate(noise::Config::new(key)?)
+                            .multiplex(yamux::Config::default()))
+                    }
+                )
+                .map_err(|e| NetError::Transport(format!("tcp/pnet/noise: {e}")))?,
+            config
+        ),
+    };
     Ok(swarm)
 }
 
@@ -99,6 +131,20 @@ impl Network {
             bootstrap.push((peer, addr.clone()));
         }
 
+        let mut config = config;
+        if config.swarm_key.is_some() {
+            let quic = |a: &Multiaddr| {
+                a.iter()
+                    .any(|p| matches!(p, Protocol::QuicV1 | Protocol::Quic))
+            };
+            if config.listen.iter().any(quic) {
+                tracing::info!(
+                    "private swarm: QUIC cannot carry the swarm key; listening on TCP only"
+                );
+            }
+            config.listen.retain(|a| !quic(a));
+            config.bootstrap.retain(|a| !quic(a));
+        }
         let mut swarm = build_swarm(&config)?;
         if config.dht_server && config.use_relays {
             // A server that may sit behind NAT answers DHT queries only once AutoNAT finds it reachable, so peers
@@ -124,6 +170,7 @@ impl Network {
             commands,
             control,
             peer_id,
+            keypair: config.keypair.clone(),
             reachability,
         })
     }
@@ -131,6 +178,11 @@ impl Network {
     /// This node's peer id.
     pub fn peer_id(&self) -> PeerId {
         self.peer_id
+    }
+
+    /// `record` signed with this peer's key, as stored under its server key.
+    pub fn sign_record(&self, record: &ServerRecord) -> Result<Vec<u8>, NetError> {
+        crate::records::sign_record(&self.keypair, record)
     }
 
     /// Sends a command built around a fresh reply channel and waits for the answer.
@@ -265,6 +317,15 @@ impl Network {
         let _ = self
             .request(|reply| Command::AddAddresses { peer, addrs, reply })
             .await;
+    }
+
+    /// Connects to `peer` unless already connected (addresses as for [`Network::open_stream`]), within `timeout`.
+    pub async fn connect(&self, peer: PeerId, timeout: Duration) -> Result<(), NetError> {
+        with_timeout(timeout, "connect", async {
+            self.request(|reply| Command::Connect { peer, reply })
+                .await?
+        })
+        .await
     }
 
     /// Opens an inference stream to `peer`, dialing it first if needed (known addresses: [`Network::add_addresses`]

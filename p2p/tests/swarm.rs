@@ -10,9 +10,14 @@ use std::{
 
 use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
 use petal_p2p::{
-    find_servers, Announcer, Keypair, Multiaddr, NetConfig, NetError, Network, PeerId,
+    find_servers, model_key, now_unix_ms,
+    records::{sign_record, verify_record},
+    server_key,
+    swarm_key::PreSharedKey,
+    Announcer, Keypair, Multiaddr, NetConfig, NetError, Network, PeerId,
 };
 use petal_proto::pb::ServerRecord;
+use prost::Message;
 use tokio::sync::watch;
 
 /// Short TTL so expiry tests finish quickly.
@@ -308,6 +313,168 @@ async fn killed_server_expires_after_ttl() {
         for net in [&client, &s2, &boot] {
             net.shutdown().await;
         }
+    })
+    .await;
+}
+
+/// Records forged by another peer change nothing: one signed by Mallory in an honest server's name (withdrawn,
+/// or with another span), the old unsigned layout, and Mallory's own record stamped far in the future. Readers
+/// skip them even when Mallory's own store answers with them, and other stores never keep them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_records_have_no_effect() {
+    bounded(async {
+        let (boot, boot_addr) = bootstrap_node().await;
+        let honest = server(&boot_addr).await;
+        let (_keep, source) = watch::channel(record("m", 0, 4));
+        let announcer = Announcer::spawn(honest.clone(), source, TTL);
+        assert!(announcer.first_published(Duration::from_secs(10)).await);
+
+        let mallory_key = Keypair::generate_ed25519();
+        let mut config = NetConfig::new(mallory_key.clone());
+        config.dht_server = true;
+        config.listen = vec![loopback_tcp()];
+        config.bootstrap = vec![boot_addr.clone()];
+        config.record_ttl = TTL;
+        let mallory = Network::start(config).await.expect("mallory starts");
+        mallory.bootstrap().await.expect("mallory joins");
+        let target = honest.peer_id();
+        let later = now_unix_ms() + 1_000;
+        let claim = |r: ServerRecord| ServerRecord {
+            peer_id: target.to_string(),
+            updated_unix_ms: later,
+            ttl_ms: 3_600_000,
+            ..r
+        };
+        let sign = |r: &ServerRecord| sign_record(&mallory_key, r).expect("sign");
+        let forgeries = [
+            sign(&ServerRecord {
+                withdrawn: true,
+                ..claim(record("m", 0, 4))
+            }),
+            sign(&claim(record("m", 4, 8))),
+            ServerRecord {
+                withdrawn: true,
+                ..claim(record("m", 0, 4))
+            }
+            .encode_to_vec(),
+        ];
+        for value in forgeries {
+            let _ = mallory.put_record(server_key(&target), value, TTL).await;
+        }
+        let own = ServerRecord {
+            peer_id: mallory.peer_id().to_string(),
+            updated_unix_ms: u64::MAX / 2,
+            ttl_ms: u64::MAX / 4,
+            ..record("m", 0, 8)
+        };
+        let mallory_key_bytes = server_key(&mallory.peer_id());
+        let _ = mallory
+            .put_record(mallory_key_bytes.clone(), sign(&own), TTL)
+            .await;
+        let _ = mallory.start_providing(model_key("m")).await;
+
+        let c = client(&boot_addr).await;
+        c.bootstrap().await.expect("client joins");
+        for _ in 0..5 {
+            let found = find_servers(&c, Some("m"), FIND_TIMEOUT)
+                .await
+                .expect("find_servers");
+            assert_eq!(peers_of(&found), vec![target.to_string()]);
+            let r = &found[0];
+            assert_eq!((r.start_block, r.end_block, r.withdrawn), (0, 4, false));
+            assert!(r.updated_unix_ms < later);
+        }
+
+        // With Mallory gone, what the other stores hold is all genuine, and its future-stamped record is nowhere.
+        mallory.shutdown().await;
+        let values = c
+            .get_records(server_key(&target), FIND_TIMEOUT)
+            .await
+            .expect("lookup");
+        assert!(!values.is_empty());
+        for value in &values {
+            verify_record(&server_key(&target), value, now_unix_ms())
+                .expect("stores keep only the server's own signed record");
+        }
+        let values = c
+            .get_records(mallory_key_bytes, FIND_TIMEOUT)
+            .await
+            .expect("lookup");
+        assert!(values.is_empty(), "a store kept a future-stamped record");
+        for net in [&c, &honest, &boot] {
+            net.shutdown().await;
+        }
+    })
+    .await;
+}
+
+/// A private swarm: peers holding its key find each other; a peer with another key, or none, can neither join
+/// through its bootstrap node nor be listed, nor open a stream to its servers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn swarm_key_keeps_outsiders_out() {
+    bounded(async {
+        let key = PreSharedKey::new([7; 32]);
+        let other = PreSharedKey::new([8; 32]);
+        let peer =
+            |swarm_key: Option<PreSharedKey>, dht_server: bool, bootstrap: Vec<Multiaddr>| {
+                let mut config = NetConfig::new(Keypair::generate_ed25519());
+                config.dht_server = dht_server;
+                // QUIC is asked for and dropped: pnet cannot protect it.
+                config.listen = vec![
+                    loopback_tcp(),
+                    "/ip4/127.0.0.1/udp/0/quic-v1".parse().expect("quic"),
+                ];
+                config.bootstrap = bootstrap;
+                config.record_ttl = TTL;
+                config.swarm_key = swarm_key;
+                Network::start(config)
+            };
+        let boot = peer(Some(key), true, vec![]).await.expect("bootstrap");
+        let boot_addr = first_addr(&boot).await;
+        assert!(boot
+            .listen_addrs()
+            .await
+            .iter()
+            .all(|a| !a.to_string().contains("quic")));
+        let insider = peer(Some(key), true, vec![boot_addr.clone()])
+            .await
+            .expect("insider");
+        let (_keep, source) = watch::channel(record("m", 0, 8));
+        let announcer = Announcer::spawn(insider.clone(), source, TTL);
+        assert!(announcer.first_published(Duration::from_secs(10)).await);
+        for (name, swarm_key) in [("another key", Some(other)), ("no key", None)] {
+            let outsider = peer(swarm_key, true, vec![boot_addr.clone()])
+                .await
+                .expect("outsider");
+            assert!(
+                outsider.bootstrap().await.is_err(),
+                "{name}: joined the DHT"
+            );
+            let (_keep, source) = watch::channel(record("m", 0, 8));
+            let _announcer = Announcer::spawn(outsider.clone(), source, TTL);
+            outsider
+                .add_addresses(insider.peer_id(), insider.listen_addrs().await)
+                .await;
+            assert!(
+                outsider.open_stream(insider.peer_id()).await.is_err(),
+                "{name}: opened a stream"
+            );
+            let c = peer(Some(key), false, vec![boot_addr.clone()])
+                .await
+                .expect("client");
+            c.bootstrap().await.expect("client joins");
+            let (found, _) =
+                find_until(&c, Some("m"), Duration::from_secs(10), |f| !f.is_empty()).await;
+            assert_eq!(
+                peers_of(&found),
+                vec![insider.peer_id().to_string()],
+                "{name}"
+            );
+            c.shutdown().await;
+            outsider.shutdown().await;
+        }
+        insider.shutdown().await;
+        boot.shutdown().await;
     })
     .await;
 }

@@ -32,4 +32,5 @@ pub const INFERENCE_PROTOCOL: &str = "/petal/inference/1";
 pub const DEFAULT_MAX_FRAME_BYTES: usize = 64 * 1024 * 1024;
 
 /// Version carried in `ServerRecord.record_version`; a different value marks an incompatible record layout.
-pub const RECORD_VERSION: u32 = 1;
+/// 2: records are stored signed (`SignedServerRecord`).
+pub const RECORD_VERSION: u32 = 2;

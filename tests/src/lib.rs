@@ -386,6 +386,7 @@ pub struct NodeSpec {
 #[derive(Default)]
 pub struct SwarmBuilder {
     record_ttl: Option<f64>,
+    swarm_key: Option<PathBuf>,
     nodes: Vec<NodeSpec>,
 }
 
@@ -393,6 +394,13 @@ impl SwarmBuilder {
     /// `--record-ttl SECS` for the bootstrap and every node.
     pub fn record_ttl(mut self, secs: f64) -> Self {
         self.record_ttl = Some(secs);
+        self
+    }
+
+    /// A private swarm: `--swarm-key FILE` for the bootstrap, every node (unless its own arguments name another)
+    /// and every client command run through [`Swarm`].
+    pub fn swarm_key(mut self, file: impl AsRef<Path>) -> Self {
+        self.swarm_key = Some(file.as_ref().to_path_buf());
         self
     }
 
@@ -417,6 +425,9 @@ impl SwarmBuilder {
     pub fn start(self) -> Swarm {
         let mut cmd = Command::new(bin("petal-node"));
         cmd.args(["bootstrap", "--listen", LISTEN]);
+        if let Some(key) = &self.swarm_key {
+            cmd.arg("--swarm-key").arg(key);
+        }
         if let Some(ttl) = self.record_ttl {
             cmd.args(["--record-ttl", &ttl.to_string()]);
         }
@@ -430,6 +441,7 @@ impl SwarmBuilder {
             bootstrap,
             bootstrap_addr,
             record_ttl: self.record_ttl,
+            swarm_key: self.swarm_key,
             nodes: vec![],
         };
         for spec in self.nodes {
@@ -477,6 +489,8 @@ pub struct Swarm {
     /// The bootstrap's address with /p2p/<peer id>, for `--bootstrap`.
     pub bootstrap_addr: String,
     pub record_ttl: Option<f64>,
+    /// The private swarm's key file, passed to every node and client command.
+    pub swarm_key: Option<PathBuf>,
     pub nodes: Vec<Node>,
 }
 
@@ -495,6 +509,13 @@ impl Swarm {
             .args(["--public-name", &spec.name]);
         if let Some(ttl) = self.record_ttl {
             cmd.args(["--record-ttl", &ttl.to_string()]);
+        }
+        if let Some(key) = self
+            .swarm_key
+            .as_ref()
+            .filter(|_| !spec.args.iter().any(|a| a == "--swarm-key"))
+        {
+            cmd.arg("--swarm-key").arg(key);
         }
         cmd.args(&spec.args);
         let proc = Proc::spawn(&spec.name, cmd);
@@ -556,7 +577,11 @@ impl Swarm {
 
     /// A `petal generate --json` through this swarm.
     pub fn generate(&self, model: impl AsRef<Path>, prompt: &str) -> Generate {
-        Generate::new(model, prompt).bootstrap(&self.bootstrap_addr)
+        let generate = Generate::new(model, prompt).bootstrap(&self.bootstrap_addr);
+        match &self.swarm_key {
+            Some(key) => generate.arg("--swarm-key").arg(&path_str(key)),
+            None => generate,
+        }
     }
 
     /// `petal swarm --json`: the live server records as the bootstrap's DHT shows them.
@@ -570,6 +595,9 @@ impl Swarm {
             "--bootstrap",
             &self.bootstrap_addr,
         ]);
+        if let Some(key) = &self.swarm_key {
+            cmd.arg("--swarm-key").arg(key);
+        }
         let out = run_with_timeout(cmd, Duration::from_secs(30));
         assert!(out.success(), "petal swarm failed\n{out}");
         let v: Value = serde_json::from_str(out.stdout.trim())

@@ -11,7 +11,7 @@ const MAX_LENGTH: usize = 32;
 fn config() -> ChainConfig {
     ChainConfig {
         discovery_timeout: Duration::from_secs(5),
-        max_failovers: 0,
+        failover_budget: Duration::ZERO,
         ..ChainConfig::default()
     }
 }
@@ -63,7 +63,7 @@ fn third_session_is_refused_then_served_by_a_replica_then_admitted_again() {
     rt.block_on(async {
         let client = SwarmClient::connect(vec![bootstrap]).await.expect("client");
         let with_retry = ChainConfig {
-            max_failovers: 3,
+            failover_budget: Duration::from_secs(60),
             ..config()
         };
         let mut sessions = vec![];

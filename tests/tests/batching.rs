@@ -81,7 +81,7 @@ fn concurrent_sessions_through_one_node_are_batched_and_match_each_run_alone() {
             .expect("client");
         let chain = ChainConfig {
             discovery_timeout: Duration::from_secs(10),
-            max_failovers: 0,
+            failover_budget: Duration::ZERO,
             ..ChainConfig::default()
         };
         let generator = Arc::new(

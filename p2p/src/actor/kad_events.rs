@@ -7,12 +7,28 @@ use crate::NetError;
 
 impl Actor {
     pub(super) fn on_kad_event(&mut self, event: kad::Event) {
-        let kad::Event::OutboundQueryProgressed {
-            id, result, step, ..
-        } = event
-        else {
-            tracing::trace!(?event, "kademlia event");
-            return;
+        let (id, result, step) = match event {
+            kad::Event::OutboundQueryProgressed {
+                id, result, step, ..
+            } => (id, result, step),
+            kad::Event::InboundRequest {
+                request:
+                    kad::InboundRequest::PutRecord {
+                        source,
+                        record: Some(record),
+                        ..
+                    },
+            } => return self.on_inbound_put(source, record),
+            kad::Event::InboundRequest {
+                request:
+                    kad::InboundRequest::AddProvider {
+                        record: Some(record),
+                    },
+            } => return self.on_inbound_provider(record),
+            event => {
+                tracing::trace!(?event, "kademlia event");
+                return;
+            }
         };
         match result {
             kad::QueryResult::PutRecord(result) => {

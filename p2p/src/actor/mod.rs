@@ -27,6 +27,7 @@ use libp2p::{
 use tokio::sync::mpsc;
 
 mod connections;
+mod dht_store;
 mod kad_events;
 
 use crate::{
@@ -131,6 +132,8 @@ pub(crate) struct Actor {
     punch_failed: HashMap<PeerId, Instant>,
     /// `Disconnect` callers, each answered when the last of the connections it closes is gone.
     disconnects: Vec<(HashSet<ConnectionId>, Reply<()>)>,
+    /// How many provider keys each peer holds in our DHT store.
+    provider_quotas: dht_store::ProviderQuotas,
     /// Peers whose `Connect` callers wait for a direct connection, until the deadline.
     awaiting_direct: HashMap<PeerId, tokio::time::Instant>,
     reach: ReachabilityState,
@@ -165,6 +168,7 @@ impl Actor {
             awaiting_direct: HashMap::new(),
             disconnects: Vec::new(),
             punch_failed: HashMap::new(),
+            provider_quotas: dht_store::ProviderQuotas::default(),
             reach,
         }
     }
@@ -289,6 +293,7 @@ impl Actor {
     }
 
     fn maintenance(&mut self) {
+        self.provider_quotas.prune(Instant::now());
         // Callers of `open_stream` that timed out leave their reply behind until the dial ends; drop them now.
         self.connects.retain(|_, replies| {
             replies.retain(|reply| !reply.is_closed());

@@ -5,7 +5,7 @@ use petal_cli::seconds::{positive_seconds, seconds};
 use petal_model::compute::placement::{parse_dtype, DeviceSpec};
 use petal_model::BlockRange;
 use petal_node::{devices, Node, NodeConfig};
-use petal_p2p::{Keypair, Multiaddr, RelayLimits};
+use petal_p2p::{swarm_key::PreSharedKey, Keypair, Multiaddr, NetConfig, RelayLimits};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -36,6 +36,12 @@ enum Command {
         #[arg(long = "new", value_name = "FILE")]
         new: PathBuf,
     },
+    /// Create a private swarm's key and print its fingerprint; give the file to every peer with --swarm-key.
+    SwarmKey {
+        /// File to write the new key to (refuses to overwrite).
+        #[arg(long = "new", value_name = "FILE")]
+        new: PathBuf,
+    },
 }
 
 #[derive(Args)]
@@ -46,6 +52,10 @@ struct NetArgs {
     /// Key file from `petal-node identity --new` (a fresh identity when absent).
     #[arg(long)]
     identity: Option<PathBuf>,
+    /// Join the private swarm of this key (from `petal-node swarm-key --new`): only peers holding it can connect.
+    /// TCP only (QUIC cannot carry the key).
+    #[arg(long, value_name = "FILE")]
+    swarm_key: Option<PathBuf>,
     /// How long DHT records live without a refresh (a killed node disappears within this).
     #[arg(long, default_value = "60", value_parser = positive_seconds)]
     record_ttl: Duration,
@@ -76,6 +86,10 @@ impl NetArgs {
             Some(path) => petal_p2p::load_from_file(path)?,
             None => Keypair::generate_ed25519(),
         })
+    }
+
+    fn swarm_key(&self) -> anyhow::Result<Option<PreSharedKey>> {
+        petal_cli::load_swarm_key(self.swarm_key.as_deref())
     }
 
     fn relay(&self) -> Option<RelayLimits> {
@@ -151,6 +165,11 @@ fn main() -> ExitCode {
                 println!("{peer}");
                 Ok(())
             }
+            Command::SwarmKey { new } => {
+                let key = petal_p2p::swarm_key::generate_to_file(&new)?;
+                println!("{}", key.fingerprint());
+                Ok(())
+            }
         }
     })
 }
@@ -176,6 +195,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.listen = args.net.listen.clone();
     config.announce = args.net.announce.clone();
     config.relay = args.net.relay();
+    config.swarm_key = args.net.swarm_key()?;
     config.bootstrap = args.bootstrap;
     config.public_name = args.public_name;
     config.cache_tokens = args.cache_tokens;
@@ -200,14 +220,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 async fn bootstrap(args: BootstrapArgs) -> anyhow::Result<()> {
-    let net = petal_node::start_bootstrap(
-        args.net.keypair()?,
-        args.net.listen.clone(),
-        args.net.record_ttl,
-        args.net.announce.clone(),
-        args.net.relay(),
-    )
-    .await?;
+    let mut config = NetConfig::new(args.net.keypair()?);
+    config.listen = args.net.listen.clone();
+    config.record_ttl = args.net.record_ttl;
+    config.announce = args.net.announce.clone();
+    config.relay = args.net.relay();
+    config.swarm_key = args.net.swarm_key()?;
+    let net = petal_node::start_bootstrap(config).await?;
     announce_addrs(&net.listen_addrs().await);
     shutdown_signal().await?;
     net.shutdown().await;

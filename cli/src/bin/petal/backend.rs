@@ -25,6 +25,9 @@ pub struct ModelArgs {
     /// Bootstrap peer(s) of the swarm, with /p2p/<peer id> (swarm mode).
     #[arg(long)]
     pub bootstrap: Vec<Multiaddr>,
+    /// The private swarm's key file (`petal-node swarm-key --new`), in swarm mode.
+    #[arg(long, value_name = "FILE")]
+    pub swarm_key: Option<PathBuf>,
     /// Device for what runs here (the head; with --local, every block).
     #[arg(long, default_value = "cpu")]
     pub device: String,
@@ -62,7 +65,8 @@ impl ModelArgs {
             !self.bootstrap.is_empty(),
             "swarm mode needs --bootstrap MULTIADDR (or use --local)"
         );
-        let client = SwarmClient::connect(self.bootstrap.clone())
+        let swarm_key = petal_cli::load_swarm_key(self.swarm_key.as_deref())?;
+        let client = SwarmClient::join(self.bootstrap.clone(), swarm_key)
             .await
             .context("joining the swarm")?;
         let config = ChainConfig {

@@ -13,6 +13,9 @@ pub struct SwarmArgs {
     /// Only this model id.
     #[arg(long)]
     pub model_id: Option<String>,
+    /// The private swarm's key file (`petal-node swarm-key --new`).
+    #[arg(long, value_name = "FILE")]
+    pub swarm_key: Option<std::path::PathBuf>,
     /// Print JSON (one array of server records) instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -22,7 +25,8 @@ pub struct SwarmArgs {
 }
 
 pub async fn run(args: SwarmArgs) -> anyhow::Result<()> {
-    let client = SwarmClient::connect(args.bootstrap).await?;
+    let swarm_key = petal_cli::load_swarm_key(args.swarm_key.as_deref())?;
+    let client = SwarmClient::join(args.bootstrap, swarm_key).await?;
     let mut servers = client
         .find_servers(args.model_id.as_deref(), args.timeout)
         .await?;
