@@ -20,8 +20,11 @@ const RECONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Timeouts and retry limits of a chain session.
 #[derive(Debug, Clone)]
 pub struct ChainConfig {
-    /// Time a server gets to answer one request.
+    /// Time a server gets to answer one request, plus `per_token_timeout` for each token of a step.
     pub step_timeout: Duration,
+    /// Extra time a step gets per token it carries: a long prompt's prefill on a slow CPU takes longer than any
+    /// fixed timeout meant for decode steps, and must not get a healthy server banned.
+    pub per_token_timeout: Duration,
     /// Time to find servers covering a range (at open, and for a replacement).
     pub discovery_timeout: Duration,
     /// Time the open, or one step, may spend routing around failing servers (trying others, replaying) before
@@ -33,9 +36,17 @@ impl Default for ChainConfig {
     fn default() -> Self {
         Self {
             step_timeout: Duration::from_secs(30),
+            per_token_timeout: Duration::from_millis(50),
             discovery_timeout: Duration::from_secs(20),
             failover_budget: Duration::from_secs(90),
         }
+    }
+}
+
+impl ChainConfig {
+    /// Time a server gets to answer a step of `tokens` tokens.
+    pub fn timeout_for(&self, tokens: usize) -> Duration {
+        self.step_timeout + self.per_token_timeout * u32::try_from(tokens).unwrap_or(u32::MAX)
     }
 }
 
@@ -207,13 +218,10 @@ impl ChainSession {
         let mut timings = Vec::with_capacity(self.links.len());
         let mut hop = 0;
         let deadline = Instant::now() + self.config.failover_budget;
+        let timeout = self.config.timeout_for(tokens);
         while hop < self.links.len() {
             let link = &mut self.links[hop];
-            match link
-                .hop
-                .step(&x, self.position, self.config.step_timeout)
-                .await
-            {
+            match link.hop.step(&x, self.position, timeout).await {
                 Ok(out) => {
                     link.history.push((self.position as u32, out.sent));
                     timings.push(HopTiming {
@@ -252,12 +260,12 @@ impl ChainSession {
         if cause.is_connection_lost() {
             let net = self.client.network().clone();
             let (model_id, max_length) = (self.model_id.clone(), self.max_length);
-            let timeout = self.config.step_timeout;
+            let config = self.config.clone();
             let reconnected = reconnect(
                 &net,
                 &model_id,
                 max_length,
-                timeout,
+                &config,
                 &failed_hop,
                 &failed.history,
                 started,
@@ -281,7 +289,7 @@ impl ChainSession {
         loop {
             let banned = self.client.banned();
             let mut fresh = self.open_chain(range).await?;
-            match replay(&mut fresh, &failed.history, self.config.step_timeout).await {
+            match replay(&mut fresh, &failed.history, &self.config).await {
                 Ok(()) => {
                     let done = failover(cause.to_string());
                     tracing::info!(%range, replayed = done.replayed_steps, elapsed_ms = done.elapsed.as_millis() as u64, "replacement ready");
@@ -358,12 +366,12 @@ async fn reconnect(
     net: &petal_p2p::Network,
     model_id: &str,
     max_length: usize,
-    step_timeout: Duration,
+    config: &ChainConfig,
     hop: &Hop,
     history: &[(u32, pb::Tensor)],
     broke_at: Instant,
 ) -> Result<ChainLink> {
-    let open_timeout = step_timeout.min(RECONNECT_TIMEOUT);
+    let open_timeout = config.step_timeout.min(RECONNECT_TIMEOUT);
     let client = reopen(
         net,
         model_id,
@@ -377,7 +385,7 @@ async fn reconnect(
         hop: client,
         history: vec![],
     }];
-    replay(&mut fresh, history, step_timeout)
+    replay(&mut fresh, history, config)
         .await
         .map_err(|(_, e)| e)?;
     let [link] = fresh;
@@ -389,7 +397,7 @@ async fn reconnect(
 async fn replay(
     chain: &mut [ChainLink],
     history: &[(u32, pb::Tensor)],
-    timeout: Duration,
+    config: &ChainConfig,
 ) -> std::result::Result<(), (usize, ClientError)> {
     for (position, input) in history {
         let local = |e: String| {
@@ -404,6 +412,7 @@ async fn replay(
         let (dtype, shape) =
             petal_proto::tensor::validate(input, usize::MAX).map_err(|e| local(e.to_string()))?;
         let mut x = from_wire(input, dtype, &shape).map_err(|e| local(e.to_string()))?;
+        let timeout = config.timeout_for(shape.get(1).copied().unwrap_or(1));
         for (i, link) in chain.iter_mut().enumerate() {
             let out = link
                 .hop
@@ -415,4 +424,17 @@ async fn replay(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_timeouts_grow_with_the_tokens_of_a_step() {
+        let config = ChainConfig::default();
+        assert_eq!(config.timeout_for(1), Duration::from_millis(30_050));
+        // A 3,000-token prompt gets 180 s, not the 30 s meant for decode steps.
+        assert_eq!(config.timeout_for(3000), Duration::from_secs(180));
+    }
 }

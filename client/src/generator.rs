@@ -121,6 +121,7 @@ impl Generator {
         config: ChainConfig,
     ) -> Result<Self> {
         let model_id = source.model_id()?;
+        client.expect_weights(&model_id, source.manifest()?);
         let chain = RemoteChain::new(
             client.clone(),
             model_id.clone(),

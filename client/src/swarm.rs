@@ -23,6 +23,9 @@ pub const RELAYED_PENALTY: Duration = Duration::from_millis(100);
 pub struct SwarmClient {
     net: Network,
     bans: Arc<Mutex<Bans>>,
+    /// Per model id, the hash of every block of the weights this client loaded: servers announcing other hashes
+    /// are never chained.
+    manifests: Arc<Mutex<HashMap<String, Arc<Vec<String>>>>>,
 }
 
 impl SwarmClient {
@@ -51,6 +54,7 @@ impl SwarmClient {
         Ok(Self {
             net,
             bans: Arc::default(),
+            manifests: Arc::default(),
         })
     }
 
@@ -65,6 +69,25 @@ impl SwarmClient {
         timeout: Duration,
     ) -> Result<Vec<ServerRecord>> {
         Ok(find_servers(&self.net, model_id, timeout).await?)
+    }
+
+    /// Chain only servers of `model_id` whose announced block hashes equal `block_hashes` (every block's, in
+    /// order: `ModelSource::manifest`). Without it, any server announcing the model id is chained.
+    pub fn expect_weights(&self, model_id: &str, block_hashes: Arc<Vec<String>>) {
+        let mut manifests = self.manifests.lock().unwrap_or_else(|e| e.into_inner());
+        manifests.insert(model_id.to_string(), block_hashes);
+    }
+
+    /// Whether `record`'s announced weights are the ones expected for its model (true when none are expected).
+    fn weights_match(&self, record: &ServerRecord) -> bool {
+        let manifests = self.manifests.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(expected) = manifests.get(&record.model_id) else {
+            return true;
+        };
+        let span = record.start_block as usize..record.end_block as usize;
+        expected
+            .get(span)
+            .is_some_and(|want| want == record.block_hashes.as_slice())
     }
 
     /// Leaves `peer` out of routes for a while: longer each time it fails again ([`crate::bans`]).
@@ -112,9 +135,16 @@ impl SwarmClient {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let servers = self
+            let mut servers = self
                 .find_servers(Some(model_id), left.min(Duration::from_secs(5)))
                 .await?;
+            servers.retain(|s| {
+                let same = self.weights_match(s);
+                if !same {
+                    tracing::warn!(peer = %s.peer_id, name = %s.public_name, blocks = format!("{}..{}", s.start_block, s.end_block), "server announces weights that differ from this model's; never chained");
+                }
+                same
+            });
             self.reach(&servers).await;
             let mut rtts = HashMap::new();
             for s in &servers {

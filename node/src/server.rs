@@ -102,7 +102,7 @@ impl Node {
             Some(addr) => Some(metrics::bind(addr).await?),
             None => None,
         };
-        let (span, source) = {
+        let (span, source, block_hashes) = {
             let config = config.clone();
             tokio::task::spawn_blocking(move || load_span(&config))
                 .await
@@ -161,6 +161,7 @@ impl Node {
             petal_version: env!("CARGO_PKG_VERSION").to_string(),
             public_name: config.public_name.clone(),
             devices: device_infos,
+            block_hashes,
             ..Default::default()
         };
         let ctx = Arc::new(ServerContext::new(
@@ -261,8 +262,8 @@ impl Node {
 }
 
 /// Opens the devices and the model, checks the range and loads the span (on the blocking pool), returning the
-/// source too for the model id and metadata.
-fn load_span(config: &NodeConfig) -> Result<(BlockSpan, ModelSource)> {
+/// source too for the model id and metadata, and the served blocks' hashes (read from those blocks only).
+fn load_span(config: &NodeConfig) -> Result<(BlockSpan, ModelSource, Vec<String>)> {
     let devices = devices::open_devices(&config.devices)?;
     let source = ModelSource::open(&config.model)?;
     config.blocks.validate(source.spec().num_blocks)?;
@@ -284,7 +285,8 @@ fn load_span(config: &NodeConfig) -> Result<(BlockSpan, ModelSource)> {
     };
     let span = source.load_span_with_progress(config.blocks, &placements, |_| bar.inc(1));
     bar.finish_and_clear();
-    Ok((span?, source))
+    let hashes = source.block_hashes(config.blocks)?;
+    Ok((span?, source, hashes))
 }
 
 /// The devices of the span as announced: consecutive blocks grouped by the device they were placed on.

@@ -586,6 +586,11 @@ impl Swarm {
 
     /// `petal swarm --json`: the live server records as the bootstrap's DHT shows them.
     pub fn records(&self) -> Vec<Value> {
+        self.records_as(self.swarm_key.as_deref())
+    }
+
+    /// [`Swarm::records`] as a client holding `swarm_key` (or none) sees them.
+    pub fn records_as(&self, swarm_key: Option<&Path>) -> Vec<Value> {
         let mut cmd = Command::new(bin("petal"));
         cmd.args([
             "swarm",
@@ -595,7 +600,7 @@ impl Swarm {
             "--bootstrap",
             &self.bootstrap_addr,
         ]);
-        if let Some(key) = &self.swarm_key {
+        if let Some(key) = swarm_key {
             cmd.arg("--swarm-key").arg(key);
         }
         let out = run_with_timeout(cmd, Duration::from_secs(30));

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 const PROMPT: &str = "Once upon a time";
 const RECORD_TTL: Duration = Duration::from_secs(60);
 
-/// A peer in the swarm announcing that it serves every block of `model_id` at `addrs` (its own listen addresses
-/// when empty).
+/// A peer in the swarm announcing that it serves every block of the swarm's model, with the right block hashes,
+/// at `addrs` (its own listen addresses when empty).
 async fn impostor(swarm: &Swarm, name: &str, addrs: Vec<String>) -> (Network, AnnouncerHandle) {
     let node = &swarm.nodes[0];
     let mut config = NetConfig::new(Keypair::generate_ed25519());
@@ -28,8 +28,14 @@ async fn impostor(swarm: &Swarm, name: &str, addrs: Vec<String>) -> (Network, An
     config.record_ttl = RECORD_TTL;
     let net = Network::start(config).await.expect("impostor network");
     net.bootstrap().await.expect("impostor joins the DHT");
+    // The true block hashes: they are public (any honest record carries them), so an impostor copies them.
+    let block_hashes = petal_model::ModelSource::open(stories_bin())
+        .and_then(|m| m.manifest())
+        .expect("block hashes")
+        .to_vec();
     let record = ServerRecord {
         model_id: node.model_id.clone(),
+        block_hashes,
         num_blocks: 5,
         start_block: 0,
         end_block: 5,
@@ -178,4 +184,49 @@ fn six_dead_whole_model_records_do_not_hold_up_generation() {
         took < Duration::from_secs(10),
         "generation took {took:?} with six dead records in the DHT"
     );
+}
+
+/// A node whose weights differ by one byte (a corrupted download, a tampered file) announces the same model id,
+/// since the id samples the weights, but not the same block hashes: it is never chained, even though it serves
+/// the whole model (the route the router would otherwise prefer), and every generation equals the honest one.
+#[test]
+fn node_with_one_changed_weight_byte_is_never_chained() {
+    let model = stories_bin();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let corrupted = dir.path().join("stories260K.bin");
+    let mut bytes = std::fs::read(&model).expect("read model");
+    // A float inside the blocks (between the embedding table and the final norm), most significant byte flipped.
+    let at = (bytes.len() * 2 / 5) & !3;
+    bytes[at + 3] ^= 0x40;
+    std::fs::write(&corrupted, bytes).expect("write the corrupted copy");
+
+    let swarm = Swarm::builder()
+        .node(&corrupted, "0..5")
+        .node(&model, "0..3")
+        .node(&model, "3..5")
+        .start();
+    assert_eq!(
+        swarm.nodes[0].model_id, swarm.nodes[1].model_id,
+        "the changed byte must be outside the id's sample for this test to mean anything"
+    );
+    let corrupted_peer = swarm.nodes[0].peer_id.clone();
+    let local = local_run();
+    for _ in 0..3 {
+        let remote = swarm
+            .generate(&model, PROMPT)
+            .max_new_tokens(24)
+            .ignore_eos()
+            .run_json();
+        assert_same_tokens("beside a corrupted replica", &remote, &local);
+        let route = remote.route.clone().unwrap_or_default();
+        assert!(
+            route.len() == 2 && route.iter().all(|hop| !hop.contains("node1")),
+            "the corrupted node1 must not be chained: {route:?}"
+        );
+        assert!(
+            remote.stderr.contains(&corrupted_peer) && remote.stderr.contains("differ"),
+            "the client should say why it leaves node1 out:\n{}",
+            remote.stderr
+        );
+    }
 }

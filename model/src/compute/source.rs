@@ -32,6 +32,8 @@ pub struct ModelSource {
     spec: Arc<ModelSpec>,
     weights: Box<dyn WeightSource>,
     model_id: OnceLock<String>,
+    /// Every block's hash ([`ModelSource::block_hash`]), computed on first use.
+    manifest: OnceLock<Arc<Vec<String>>>,
 }
 
 impl std::fmt::Debug for ModelSource {
@@ -82,6 +84,7 @@ impl ModelSource {
             spec: Arc::new(spec),
             weights,
             model_id: OnceLock::new(),
+            manifest: OnceLock::new(),
         })
     }
 
@@ -138,6 +141,39 @@ impl ModelSource {
             .collect();
         let id = format!("{name}-{}", &digest[..32]);
         Ok(self.model_id.get_or_init(|| id).clone())
+    }
+
+    /// SHA-256 (hex) of every byte of block `block`'s weights, read from that block's tensors only. The model id
+    /// samples the weights; these hashes pin them exactly: a server announces the hashes of the blocks it serves
+    /// and a client chains it only if they equal its own model's.
+    pub fn block_hash(&self, block: usize) -> Result<String> {
+        if block >= self.spec.num_blocks {
+            return Err(ModelError::Config(format!(
+                "block {block} is outside the model's {} blocks",
+                self.spec.num_blocks
+            )));
+        }
+        let mut h = Sha256::new();
+        h.update(b"petal-block-v1");
+        self.weights.hash_block(block, &mut h)?;
+        Ok(hex::encode(h.finalize()))
+    }
+
+    /// The hashes of blocks `range`, in order.
+    pub fn block_hashes(&self, range: BlockRange) -> Result<Vec<String>> {
+        range.validate(self.spec.num_blocks)?;
+        (range.start..range.end)
+            .map(|b| self.block_hash(b))
+            .collect()
+    }
+
+    /// Every block's hash: what a client checks servers' announcements against. Reads the whole model once.
+    pub fn manifest(&self) -> Result<Arc<Vec<String>>> {
+        if let Some(m) = self.manifest.get() {
+            return Ok(m.clone());
+        }
+        let all = Arc::new(self.block_hashes(BlockRange::new(0, self.spec.num_blocks))?);
+        Ok(self.manifest.get_or_init(|| all).clone())
     }
 
     /// Loads blocks `range`, block `range.start + i` onto `placements[i]`.

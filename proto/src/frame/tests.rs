@@ -47,6 +47,7 @@ fn sample_record() -> pb::ServerRecord {
         ttl_ms: 90_000,
         withdrawn: false,
         sessions_open: 3,
+        block_hashes: vec!["ab".repeat(32); 11],
     }
 }
 

@@ -125,6 +125,29 @@ impl WeightSource for GgufWeights {
             .unwrap_or_else(|| "none".into())
     }
 
+    fn hash_block(&self, block: usize, hasher: &mut Sha256) -> Result<()> {
+        let mut infos: Vec<_> = self
+            .content
+            .tensor_infos
+            .iter()
+            .filter(|(name, _)| self.block_of(name) == Some(block))
+            .collect();
+        infos.sort_by(|a, b| a.0.cmp(b.0));
+        let mut file = self
+            .file
+            .lock()
+            .map_err(|_| ModelError::Config("GGUF reader poisoned by an earlier panic".into()))?;
+        for (name, info) in infos {
+            hasher.update(name.as_bytes());
+            hasher.update(format!("{:?}{:?}", info.ggml_dtype, info.shape.dims()).as_bytes());
+            let start = self.content.tensor_data_offset + info.offset;
+            let block_size = info.ggml_dtype.block_size().max(1);
+            let len = (info.shape.elem_count() / block_size * info.ggml_dtype.type_size()) as u64;
+            super::hash_file_range(&mut file, &self.path, start, len, hasher)?;
+        }
+        Ok(())
+    }
+
     fn fingerprint(&self, hasher: &mut Sha256) -> Result<()> {
         let mut infos: Vec<_> = self.content.tensor_infos.iter().collect();
         infos.sort_by(|a, b| a.0.cmp(b.0));

@@ -255,6 +255,30 @@ impl WeightSource for Llama2cWeights {
         "none".into()
     }
 
+    fn hash_block(&self, block: usize, hasher: &mut Sha256) -> Result<()> {
+        let mut file = self.file.lock().map_err(|_| {
+            ModelError::Config("llama2.c reader poisoned by an earlier panic".into())
+        })?;
+        let mut regions: Vec<_> = self
+            .blocks
+            .iter()
+            .map(|(t, r, dims)| (block_tensor_name(block, *t), *r, *dims))
+            .collect();
+        regions.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, region, dims) in regions {
+            hasher.update(format!("{name}F32{dims:?}").as_bytes());
+            let start = region.offset + (block * region.per_layer * 4) as u64;
+            super::hash_file_range(
+                &mut file,
+                &self.path,
+                start,
+                (region.per_layer * 4) as u64,
+                hasher,
+            )?;
+        }
+        Ok(())
+    }
+
     fn fingerprint(&self, hasher: &mut Sha256) -> Result<()> {
         hasher.update(format!("{:?}{}", self.header, self.file_len).as_bytes());
         let mut file = self.file.lock().map_err(|_| {

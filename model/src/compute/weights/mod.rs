@@ -116,6 +116,33 @@ pub trait WeightSource: Send + Sync {
     fn quantization(&self) -> String;
     /// Feeds the tensor index and a small sample of every tensor's bytes into the model fingerprint.
     fn fingerprint(&self, hasher: &mut Sha256) -> Result<()>;
+    /// Feeds every byte of block `block`'s tensors (names, dtypes, shapes and data, in name order) into `hasher`:
+    /// the block's exact identity, read from this block's tensors only.
+    fn hash_block(&self, block: usize, hasher: &mut Sha256) -> Result<()>;
+}
+
+/// Feeds `len` bytes of `file` from `start` into `hasher`, a MiB at a time.
+pub(crate) fn hash_file_range(
+    file: &mut std::fs::File,
+    path: &std::path::Path,
+    start: u64,
+    len: u64,
+    hasher: &mut Sha256,
+) -> Result<()> {
+    use sha2::Digest;
+    use std::io::{Read, Seek, SeekFrom};
+    file.seek(SeekFrom::Start(start))
+        .map_err(|e| crate::ModelError::io(path, e))?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut left = len;
+    while left > 0 {
+        let n = left.min(buf.len() as u64) as usize;
+        file.read_exact(&mut buf[..n])
+            .map_err(|e| crate::ModelError::io(path, e))?;
+        hasher.update(&buf[..n]);
+        left -= n as u64;
+    }
+    Ok(())
 }
 
 /// Bytes of each tensor sampled into the fingerprint, at its start and its middle: enough to tell two fine-tunes of

@@ -127,6 +127,22 @@ impl WeightSource for SafetensorsWeights {
         "none".into()
     }
 
+    fn hash_block(&self, block: usize, hasher: &mut Sha256) -> Result<()> {
+        let mut tensors: Vec<_> = self
+            .st
+            .tensors()
+            .into_iter()
+            .filter(|(name, _)| self.block_of(name) == Some(block))
+            .collect();
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, view) in tensors {
+            hasher.update(name.as_bytes());
+            hasher.update(format!("{:?}{:?}", view.dtype(), view.shape()).as_bytes());
+            hasher.update(view.data());
+        }
+        Ok(())
+    }
+
     fn fingerprint(&self, hasher: &mut Sha256) -> Result<()> {
         let mut tensors = self.st.tensors();
         tensors.sort_by(|a, b| a.0.cmp(&b.0));
