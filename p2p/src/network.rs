@@ -321,11 +321,13 @@ impl Network {
 
     /// Connects to `peer` unless already connected (addresses as for [`Network::open_stream`]), within `timeout`.
     pub async fn connect(&self, peer: PeerId, timeout: Duration) -> Result<(), NetError> {
-        with_timeout(timeout, "connect", async {
-            self.request(|reply| Command::Connect { peer, reply })
-                .await?
-        })
-        .await
+        with_timeout(timeout, "connect", self.dial(peer)).await
+    }
+
+    /// Asks the actor for a connection to `peer` (see `actor/connections.rs`: a relayed one waits for hole punching).
+    async fn dial(&self, peer: PeerId) -> Result<(), NetError> {
+        self.request(|reply| Command::Connect { peer, reply })
+            .await?
     }
 
     /// Opens an inference stream to `peer`, dialing it first if needed (known addresses: [`Network::add_addresses`]
@@ -333,8 +335,7 @@ impl Network {
     pub async fn open_stream(&self, peer: PeerId) -> Result<Stream, NetError> {
         let stream_error = |reason: String| NetError::Stream { peer, reason };
         with_timeout(OPEN_STREAM_TIMEOUT, "open_stream", async {
-            self.request(|reply| Command::Connect { peer, reply })
-                .await??;
+            self.dial(peer).await?;
             self.control
                 .open_stream(peer)
                 .await

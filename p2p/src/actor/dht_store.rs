@@ -28,7 +28,7 @@ impl ProviderQuotas {
     /// Whether `record` fits its provider's quota (and counts it if so).
     fn admit(&mut self, record: &ProviderRecord, now: Instant) -> bool {
         let keys = self.keys.entry(record.provider).or_default();
-        keys.retain(|_, expires| expires.is_none_or(|t| t > now));
+        drop_expired(keys, now);
         if keys.len() >= MAX_PROVIDED_KEYS_PER_PEER && !keys.contains_key(&record.key) {
             return false;
         }
@@ -39,10 +39,14 @@ impl ProviderQuotas {
     /// Forgets providers whose keys have all run out.
     pub(super) fn prune(&mut self, now: Instant) {
         self.keys.retain(|_, keys| {
-            keys.retain(|_, expires| expires.is_none_or(|t| t > now));
+            drop_expired(keys, now);
             !keys.is_empty()
         });
     }
+}
+
+fn drop_expired(keys: &mut HashMap<kad::RecordKey, Option<Instant>>, now: Instant) {
+    keys.retain(|_, expires| expires.is_none_or(|t| t > now));
 }
 
 fn is_petal_provider_key(key: &[u8]) -> bool {

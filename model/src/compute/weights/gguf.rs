@@ -2,7 +2,7 @@
 //! stays quantized.
 use super::{BlockTensor, HeadTensor, LoadLog, Weight, WeightSource};
 use crate::error::{ModelError, Result};
-use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::gguf_file::{Content, TensorInfo, Value};
 use candle_core::Device;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -49,14 +49,24 @@ impl GgufWeights {
             .map(|i| i.shape.dims().to_vec())
     }
 
+    fn file(&self) -> Result<std::sync::MutexGuard<'_, File>> {
+        self.file
+            .lock()
+            .map_err(|_| ModelError::Config("GGUF reader poisoned by an earlier panic".into()))
+    }
+
+    /// Where a tensor's data sits in the file: (start, bytes).
+    fn data_range(&self, info: &TensorInfo) -> (u64, u64) {
+        let block = info.ggml_dtype.block_size().max(1);
+        let len = (info.shape.elem_count() / block * info.ggml_dtype.type_size()) as u64;
+        (self.content.tensor_data_offset + info.offset, len)
+    }
+
     fn load(&self, name: &str, device: &Device) -> Result<Weight> {
         if !self.has_tensor(name) {
             return Err(ModelError::MissingTensor { name: name.into() });
         }
-        let mut file = self
-            .file
-            .lock()
-            .map_err(|_| ModelError::Config("GGUF reader poisoned by an earlier panic".into()))?;
+        let mut file = self.file()?;
         let q = self
             .content
             .tensor(&mut *file, name, device)
@@ -133,16 +143,11 @@ impl WeightSource for GgufWeights {
             .filter(|(name, _)| self.block_of(name) == Some(block))
             .collect();
         infos.sort_by(|a, b| a.0.cmp(b.0));
-        let mut file = self
-            .file
-            .lock()
-            .map_err(|_| ModelError::Config("GGUF reader poisoned by an earlier panic".into()))?;
+        let mut file = self.file()?;
         for (name, info) in infos {
             hasher.update(name.as_bytes());
             hasher.update(format!("{:?}{:?}", info.ggml_dtype, info.shape.dims()).as_bytes());
-            let start = self.content.tensor_data_offset + info.offset;
-            let block_size = info.ggml_dtype.block_size().max(1);
-            let len = (info.shape.elem_count() / block_size * info.ggml_dtype.type_size()) as u64;
+            let (start, len) = self.data_range(info);
             super::hash_file_range(&mut file, &self.path, start, len, hasher)?;
         }
         Ok(())
@@ -151,10 +156,7 @@ impl WeightSource for GgufWeights {
     fn fingerprint(&self, hasher: &mut Sha256) -> Result<()> {
         let mut infos: Vec<_> = self.content.tensor_infos.iter().collect();
         infos.sort_by(|a, b| a.0.cmp(b.0));
-        let mut file = self
-            .file
-            .lock()
-            .map_err(|_| ModelError::Config("GGUF reader poisoned by an earlier panic".into()))?;
+        let mut file = self.file()?;
         let file_len = file
             .seek(SeekFrom::End(0))
             .map_err(|e| ModelError::io(&self.path, e))?;
@@ -169,9 +171,7 @@ impl WeightSource for GgufWeights {
                 )
                 .as_bytes(),
             );
-            let start = self.content.tensor_data_offset + info.offset;
-            let block = info.ggml_dtype.block_size().max(1);
-            let len = (info.shape.elem_count() / block * info.ggml_dtype.type_size()) as u64;
+            let (start, len) = self.data_range(info);
             for (off, n) in super::sample_ranges(start, len.min(file_len.saturating_sub(start))) {
                 let mut buf = vec![0u8; n as usize];
                 file.seek(SeekFrom::Start(off))

@@ -32,6 +32,14 @@ struct Region {
     per_layer: usize,
 }
 
+impl Region {
+    /// Where layer `layer`'s slice sits in the file: (start, bytes).
+    fn layer(&self, layer: usize) -> (u64, u64) {
+        let bytes = self.per_layer * 4;
+        (self.offset + (layer * bytes) as u64, bytes as u64)
+    }
+}
+
 pub struct Llama2cWeights {
     path: PathBuf,
     header: Llama2cHeader,
@@ -181,13 +189,17 @@ impl Llama2cWeights {
         Ok(spec)
     }
 
+    fn file(&self) -> Result<std::sync::MutexGuard<'_, File>> {
+        self.file
+            .lock()
+            .map_err(|_| ModelError::Config("llama2.c reader poisoned by an earlier panic".into()))
+    }
+
     fn read(&self, name: &str, offset: u64, dims: &[usize], device: &Device) -> Result<Weight> {
         let n: usize = dims.iter().product();
         let mut bytes = vec![0u8; n * 4];
         {
-            let mut file = self.file.lock().map_err(|_| {
-                ModelError::Config("llama2.c reader poisoned by an earlier panic".into())
-            })?;
+            let mut file = self.file()?;
             file.seek(SeekFrom::Start(offset))
                 .map_err(|e| ModelError::io(&self.path, e))?;
             file.read_exact(&mut bytes)
@@ -219,8 +231,7 @@ impl WeightSource for Llama2cWeights {
             .copied()
             .ok_or_else(|| ModelError::MissingTensor { name: name.clone() })?;
         let dims: Vec<usize> = dims.into_iter().filter(|d| *d > 0).collect();
-        let offset = region.offset + (block * region.per_layer * 4) as u64;
-        self.read(&name, offset, &dims, device)
+        self.read(&name, region.layer(block).0, &dims, device)
     }
 
     fn load_head(&self, t: HeadTensor, device: &Device) -> Result<Option<Weight>> {
@@ -256,9 +267,7 @@ impl WeightSource for Llama2cWeights {
     }
 
     fn hash_block(&self, block: usize, hasher: &mut Sha256) -> Result<()> {
-        let mut file = self.file.lock().map_err(|_| {
-            ModelError::Config("llama2.c reader poisoned by an earlier panic".into())
-        })?;
+        let mut file = self.file()?;
         let mut regions: Vec<_> = self
             .blocks
             .iter()
@@ -267,31 +276,23 @@ impl WeightSource for Llama2cWeights {
         regions.sort_by(|a, b| a.0.cmp(&b.0));
         for (name, region, dims) in regions {
             hasher.update(format!("{name}F32{dims:?}").as_bytes());
-            let start = region.offset + (block * region.per_layer * 4) as u64;
-            super::hash_file_range(
-                &mut file,
-                &self.path,
-                start,
-                (region.per_layer * 4) as u64,
-                hasher,
-            )?;
+            let (start, len) = region.layer(block);
+            super::hash_file_range(&mut file, &self.path, start, len, hasher)?;
         }
         Ok(())
     }
 
     fn fingerprint(&self, hasher: &mut Sha256) -> Result<()> {
         hasher.update(format!("{:?}{}", self.header, self.file_len).as_bytes());
-        let mut file = self.file.lock().map_err(|_| {
-            ModelError::Config("llama2.c reader poisoned by an earlier panic".into())
-        })?;
+        let mut file = self.file()?;
         let l = self.header.n_layers;
         let mut regions = vec![(self.embed, 1), (self.final_norm, 1)];
         regions.extend(self.blocks.iter().map(|(_, r, _)| (*r, l)));
         regions.extend(self.classifier.map(|r| (r, 1)));
         for (region, layers) in regions {
             for layer in 0..layers {
-                let start = region.offset + (layer * region.per_layer * 4) as u64;
-                for (off, n) in super::sample_ranges(start, (region.per_layer * 4) as u64) {
+                let (start, len) = region.layer(layer);
+                for (off, n) in super::sample_ranges(start, len) {
                     let mut buf = vec![0u8; n as usize];
                     file.seek(SeekFrom::Start(off))
                         .map_err(|e| ModelError::io(&self.path, e))?;
