@@ -42,6 +42,27 @@ impl Bans {
         ban
     }
 
+    /// Bans `peer` for [`BAN_MAX`] at `now`: it was caught giving wrong answers. It is remembered as enough
+    /// failures that another one, even after a strike has decayed, draws [`BAN_MAX`] again.
+    pub fn convict(&mut self, peer: &str, now: Instant) -> Duration {
+        let count = (BAN_MAX.as_secs() / BAN_BASE.as_secs()).ilog2() + 2;
+        self.peers.insert(
+            peer.to_string(),
+            Strikes {
+                count,
+                last: now,
+                until: now + BAN_MAX,
+            },
+        );
+        BAN_MAX
+    }
+
+    /// Peers with a failure still remembered at `now` (sitting out or not).
+    pub fn suspects(&mut self, now: Instant) -> HashSet<String> {
+        self.banned(now);
+        self.peers.keys().cloned().collect()
+    }
+
     /// Peers sitting out at `now`; forgets those whose failures have all decayed.
     pub fn banned(&mut self, now: Instant) -> HashSet<String> {
         self.peers
@@ -85,5 +106,18 @@ mod tests {
         let later = t0 + BAN_BASE * 3 + STRIKE_MEMORY * 3;
         assert!(bans.banned(later).is_empty() || !bans.banned(later).contains("a"));
         assert_eq!(bans.strike("a", later), BAN_BASE);
+        // A convicted liar sits out the longest ban at once, and a failure soon after keeps it there.
+        assert_eq!(bans.convict("liar", t0), BAN_MAX);
+        assert!(bans.banned(t0 + BAN_MAX / 2).contains("liar"));
+        assert!(!bans.banned(t0 + BAN_MAX).contains("liar"));
+        assert_eq!(bans.strike("liar", t0 + BAN_MAX), BAN_MAX);
+        // Out of its ban, a peer that failed is still a suspect until its failures are forgotten.
+        let mut bans = Bans::default();
+        bans.strike("blip", t0);
+        assert!(!bans.banned(t0 + BAN_BASE).contains("blip"));
+        assert!(bans.suspects(t0 + BAN_BASE).contains("blip"));
+        assert!(!bans
+            .suspects(t0 + BAN_BASE + STRIKE_MEMORY)
+            .contains("blip"));
     }
 }

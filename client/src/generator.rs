@@ -11,6 +11,7 @@ use crate::blocks::{BlockSession, LocalSpans, ModelBlocks, RemoteChain};
 use crate::chain::{ChainConfig, Failover, HopTiming, RouteHop};
 use crate::error::{ClientError, Result};
 use crate::swarm::SwarmClient;
+use crate::verification::VerifyTally;
 use candle_core::Tensor;
 use petal_model::text::decoding::{
     Generation, GenerationConfig, GenerationOutput, GenerationTimer, Step,
@@ -59,6 +60,8 @@ pub struct Cost {
     pub bytes_on_wire: u64,
     /// Servers replaced during this completion.
     pub failovers: Vec<Failover>,
+    /// What the checks of servers' answers found during this completion.
+    pub verification: VerifyTally,
     /// One entry per step, in order: the first is the prefill of the context, the rest decode one token each.
     pub steps: Vec<StepTiming>,
 }
@@ -273,6 +276,7 @@ impl Generator {
         }
         check_fits(context.len(), session.max_length())?;
         let (bytes_before, failovers_before) = (session.bytes_on_wire(), session.failovers().len());
+        let verification_before = session.verification();
         let mut generation = Generation::new(tokenizer, context, config)?;
         let mut timer = GenerationTimer::new();
         let mut text = String::new();
@@ -309,6 +313,7 @@ impl Generator {
                 bytes_on_wire: session.bytes_on_wire().saturating_sub(bytes_before),
                 failovers: session.failovers()[failovers_before.min(session.failovers().len())..]
                     .to_vec(),
+                verification: session.verification().since(&verification_before),
                 steps,
             },
         })

@@ -89,6 +89,11 @@ impl HopClient {
         &self.hop
     }
 
+    /// The dtype the server takes and gives hidden states in.
+    pub fn wire_dtype(&self) -> pb::WireDType {
+        self.dtype
+    }
+
     /// Whether the hop's stream goes through a relay.
     pub fn relayed(&self) -> bool {
         self.relayed

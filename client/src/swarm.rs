@@ -17,6 +17,11 @@ pub const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Added to the RTT of a server reached through a relay (or, before any connection, of one that announces itself
 /// unreachable): every byte takes the relay's detour and shares its limits, so a direct server of equal RTT wins.
 pub const RELAYED_PENALTY: Duration = Duration::from_millis(100);
+/// How long an optional plan ([`SwarmClient::plan_without`]) reuses the servers the last discovery found, rather
+/// than asking the DHT again (a query can wait seconds on peers that left).
+pub const RECORDS_FRESH: Duration = Duration::from_secs(30);
+/// Bound on an optional plan's own discovery, when it has no fresh one to reuse.
+pub const OPTIONAL_DISCOVERY: Duration = Duration::from_secs(2);
 
 /// A client's membership of the swarm: a libp2p peer in DHT client mode. Cheap to clone.
 #[derive(Clone)]
@@ -26,7 +31,12 @@ pub struct SwarmClient {
     /// Per model id, the hash of every block of the weights this client loaded: servers announcing other hashes
     /// are never chained.
     manifests: Arc<Mutex<HashMap<String, Arc<Vec<String>>>>>,
+    /// Per model id, the servers the last discovery found, and when.
+    found: Arc<Mutex<HashMap<String, Found>>>,
 }
+
+/// When a discovery ran, and the servers it found.
+type Found = (Instant, Vec<ServerRecord>);
 
 impl SwarmClient {
     /// Starts a client peer with a fresh identity and joins the DHT through `bootstrap`.
@@ -55,6 +65,7 @@ impl SwarmClient {
             net,
             bans: Arc::default(),
             manifests: Arc::default(),
+            found: Arc::default(),
         })
     }
 
@@ -85,9 +96,13 @@ impl SwarmClient {
             return true;
         };
         let span = record.start_block as usize..record.end_block as usize;
-        expected
+        let same = expected
             .get(span)
-            .is_some_and(|want| want == record.block_hashes.as_slice())
+            .is_some_and(|want| want == record.block_hashes.as_slice());
+        if !same {
+            tracing::warn!(peer = %record.peer_id, name = %record.public_name, blocks = format!("{}..{}", record.start_block, record.end_block), "server announces weights that differ from this model's; never chained");
+        }
+        same
     }
 
     /// Leaves `peer` out of routes for a while: longer each time it fails again ([`crate::bans`]).
@@ -97,10 +112,24 @@ impl SwarmClient {
         tracing::debug!(%peer, seconds = for_.as_secs_f64(), "server left out of routes");
     }
 
+    /// Leaves `peer` out of routes for the longest ban: its answers were outvoted by two servers that agreed
+    /// ([`crate::verification`]), which no network fault explains.
+    pub fn convict(&self, peer: &str) {
+        let mut bans = self.bans.lock().unwrap_or_else(|e| e.into_inner());
+        let for_ = bans.convict(peer, Instant::now());
+        tracing::warn!(%peer, seconds = for_.as_secs_f64(), "server gave wrong answers; left out of routes");
+    }
+
     /// Peers currently left out of routes.
     pub fn banned(&self) -> HashSet<String> {
         let mut bans = self.bans.lock().unwrap_or_else(|e| e.into_inner());
         bans.banned(Instant::now())
+    }
+
+    /// Peers with a failure still remembered, banned or not.
+    pub fn suspects(&self) -> HashSet<String> {
+        let mut bans = self.bans.lock().unwrap_or_else(|e| e.into_inner());
+        bans.suspects(Instant::now())
     }
 
     /// Dials every server in `servers` not yet connected, all at once, each within [`DIAL_TIMEOUT`], and bans
@@ -132,45 +161,55 @@ impl SwarmClient {
         range: BlockRange,
         timeout: Duration,
     ) -> Result<Vec<Hop>> {
+        self.plan_without(model_id, range, &HashSet::new(), timeout, false)
+            .await
+    }
+
+    /// [`SwarmClient::plan`] with the peers in `exclude` left out (they are not merely banned: a plan never falls
+    /// back to them). An `optional` chain is one the client can do without (checking answers): one discovery
+    /// decides (an uncovered range is answered at once), and no peer that failed recently is used or dialed, so
+    /// dead or failing servers never slow down a check.
+    pub async fn plan_without(
+        &self,
+        model_id: &str,
+        range: BlockRange,
+        exclude: &HashSet<String>,
+        timeout: Duration,
+        optional: bool,
+    ) -> Result<Vec<Hop>> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let mut servers = self
-                .find_servers(Some(model_id), left.min(Duration::from_secs(5)))
-                .await?;
-            servers.retain(|s| {
-                let same = self.weights_match(s);
-                if !same {
-                    tracing::warn!(peer = %s.peer_id, name = %s.public_name, blocks = format!("{}..{}", s.start_block, s.end_block), "server announces weights that differ from this model's; never chained");
+            let mut servers = match (optional, self.fresh_servers(model_id)) {
+                (true, Some(servers)) => servers,
+                (true, None) => {
+                    self.discover(model_id, left.min(OPTIONAL_DISCOVERY))
+                        .await?
                 }
-                same
+                (false, _) => {
+                    self.discover(model_id, left.min(Duration::from_secs(5)))
+                        .await?
+                }
+            };
+            let suspects = if optional {
+                self.suspects()
+            } else {
+                HashSet::new()
+            };
+            servers.retain(|s| {
+                !exclude.contains(&s.peer_id)
+                    && !suspects.contains(&s.peer_id)
+                    && self.weights_match(s)
             });
             self.reach(&servers).await;
-            let mut rtts = HashMap::new();
-            for s in &servers {
-                if let Ok(peer) = s.peer_id.parse() {
-                    let relayed = match self.net.connection_path(peer).await {
-                        Some(path) => path == ConnectionPath::Relayed,
-                        None => s.reachability == NatStatus::Private.as_str(),
-                    };
-                    let rtt = self.net.rtt(peer).await;
-                    let rtt = if relayed {
-                        Some(rtt.unwrap_or(UNKNOWN_RTT) + RELAYED_PENALTY)
-                    } else {
-                        rtt
-                    };
-                    if let Some(rtt) = rtt {
-                        rtts.insert(s.peer_id.clone(), rtt);
-                    }
-                }
-            }
+            let rtts = self.rtts(&servers).await;
             let rtt = |p: &str| rtts.get(p).copied();
             let banned = self.banned();
             let route = plan_range(model_id, &servers, range, rtt, &banned).or_else(|e| {
                 // A ban is a preference: when the servers left for some blocks all failed us recently, try them
                 // again rather than give up (the caller ends the attempt if one fails again).
                 match e {
-                    ClientError::Uncovered { .. } if !banned.is_empty() => {
+                    ClientError::Uncovered { .. } if !banned.is_empty() && !optional => {
                         plan_range(model_id, &servers, range, rtt, &HashSet::new()).map_err(|_| e)
                     }
                     e => Err(e),
@@ -179,13 +218,52 @@ impl SwarmClient {
             match route {
                 Ok(route) => return Ok(route),
                 Err(ClientError::Uncovered { .. })
-                    if tokio::time::Instant::now() + Duration::from_millis(500) < deadline =>
+                    if !optional
+                        && tokio::time::Instant::now() + Duration::from_millis(500) < deadline =>
                 {
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// Live servers of `model_id`, remembered for optional plans.
+    async fn discover(&self, model_id: &str, timeout: Duration) -> Result<Vec<ServerRecord>> {
+        let servers = self.find_servers(Some(model_id), timeout).await?;
+        let mut found = self.found.lock().unwrap_or_else(|e| e.into_inner());
+        found.insert(model_id.to_string(), (Instant::now(), servers.clone()));
+        Ok(servers)
+    }
+
+    /// The servers the last discovery of `model_id` found, if it is at most [`RECORDS_FRESH`] old.
+    fn fresh_servers(&self, model_id: &str) -> Option<Vec<ServerRecord>> {
+        let found = self.found.lock().unwrap_or_else(|e| e.into_inner());
+        let (at, servers) = found.get(model_id)?;
+        (at.elapsed() < RECORDS_FRESH).then(|| servers.clone())
+    }
+
+    /// The round-trip time to each server measured so far, with [`RELAYED_PENALTY`] added for relayed ones.
+    async fn rtts(&self, servers: &[ServerRecord]) -> HashMap<String, Duration> {
+        let mut rtts = HashMap::new();
+        for s in servers {
+            if let Ok(peer) = s.peer_id.parse() {
+                let relayed = match self.net.connection_path(peer).await {
+                    Some(path) => path == ConnectionPath::Relayed,
+                    None => s.reachability == NatStatus::Private.as_str(),
+                };
+                let rtt = self.net.rtt(peer).await;
+                let rtt = if relayed {
+                    Some(rtt.unwrap_or(UNKNOWN_RTT) + RELAYED_PENALTY)
+                } else {
+                    rtt
+                };
+                if let Some(rtt) = rtt {
+                    rtts.insert(s.peer_id.clone(), rtt);
+                }
+            }
+        }
+        rtts
     }
 
     pub async fn shutdown(&self) {

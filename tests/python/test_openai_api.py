@@ -351,7 +351,8 @@ def test_swarm_api_matches_local(stories):
             procs.append(node)
         for node in procs[1:]:
             node.wait_for("serving blocks ")
-        api = Api("api-swarm", ["--bootstrap", addr, "--model", STORIES, "--discovery-timeout", "10"])
+        api = Api("api-swarm", ["--bootstrap", addr, "--model", STORIES, "--discovery-timeout", "10",
+                                "--verify", "all"])
         procs.append(api.proc)
         kwargs = dict(model=STORIES_NAME, prompt="Once upon a time", max_tokens=32, temperature=0)
         remote = api.client.completions.create(**kwargs)
@@ -372,6 +373,16 @@ def test_swarm_api_matches_local(stories):
         assert remote.model_extra["petal"]["bytes_on_wire"] > 0
         last = [c for c in api.client.completions.create(**kwargs, stream=True) if c.choices][-1]
         assert last.model_extra["petal"]["route"] == route
+        # `--verify all` drew every hop step for a check; with one server per span none could be checked, and the
+        # report and the metrics say so.
+        checks = remote.model_extra["petal"]["verification"]
+        steps = remote.usage.completion_tokens
+        assert checks["unverifiable"] == 2 * steps and checks["checked_steps"] == 0, checks
+        status, headers, body = get_raw(f"{api.url}/metrics")
+        assert status == 200 and headers["Content-Type"].startswith("application/openmetrics-text"), headers
+        metrics = dict(line.rsplit(" ", 1) for line in body.decode().splitlines() if not line.startswith("#"))
+        assert int(metrics["petal_api_completions_total"]) >= 5, metrics
+        assert int(metrics["petal_api_unverifiable_checks_total"]) == 5 * 2 * steps, metrics
         # Without the nodes the swarm cannot serve: 503 with the reason.
         for node in procs[1:3]:
             node.stop()
@@ -589,6 +600,48 @@ def test_chat_page_is_served(smol):
     assert "<title>Petal chat</title>" in html and "/v1/chat/completions" in html
     assert "AbortController" in html and "getReader" in html  # streams, and can stop
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html), "the page must load nothing from elsewhere"
+
+
+def metric(api, name):
+    """The value of one sample on the API's /metrics page."""
+    body = get_raw(f"{api.url}/metrics")[2].decode()
+    return int(dict(line.rsplit(" ", 1) for line in body.splitlines() if not line.startswith("#"))[name])
+
+
+def test_bounded_queue_and_body_limit():
+    """One slot and room for one waiting request: a long stream holds the slot; a second request waits, then gives
+    up with 429 after --queue-timeout; while it waits, a third is refused at once with 429 and Retry-After. Bodies
+    beyond --max-body-bytes get 413."""
+    api = Api("api-limits", ["--local", "--model", SMOL, "--max-concurrent", "1", "--max-queue", "1",
+                             "--queue-timeout", "2", "--max-body-bytes", "2000"])
+    try:
+        request = dict(model=SMOL_NAME, prompt="Once upon a time", temperature=0)
+        body = json.dumps({**request, "max_tokens": 1}).encode()
+        holder = api.client.completions.create(**request, max_tokens=4000, stream=True)
+        next(iter(holder))  # generating: the slot is taken
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            waiter = pool.submit(api.post_raw, "/v1/completions", body)
+            deadline = time.monotonic() + 10
+            while metric(api, "petal_api_requests_waiting") != 1:
+                assert time.monotonic() < deadline, "the second request never queued"
+                assert not waiter.done(), waiter.result()
+            req = urllib.request.Request(f"{api.url}/v1/completions", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT)
+            assert refused.value.code == 429 and refused.value.headers["Retry-After"] == "1"
+            error = json.loads(refused.value.read())["error"]
+            assert error["type"] == "rate_limit_error" and "waiting" in error["message"], error
+            status, waited = waiter.result(timeout=REQUEST_TIMEOUT)
+            assert status == 429 and "within 2 s" in waited["error"]["message"], waited
+        assert metric(api, "petal_api_requests_waiting") == 0
+        holder.close()  # the client goes away: its generation is aborted and the slot freed
+        ok = api.client.completions.create(**request, max_tokens=2)
+        assert ok.usage.completion_tokens >= 1
+        status, too_big = api.post_raw("/v1/completions", json.dumps({**request, "prompt": "x" * 3000}).encode())
+        assert status == 413, (status, too_big)
+    finally:
+        api.proc.stop()
 
 
 def test_no_cors_without_the_flag(smol):

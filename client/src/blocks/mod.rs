@@ -9,6 +9,7 @@ pub use remote::RemoteChain;
 
 use crate::chain::{Failover, HopTiming, RouteHop};
 use crate::error::Result;
+use crate::verification::VerifyTally;
 use candle_core::Tensor;
 use futures::future::BoxFuture;
 
@@ -47,6 +48,11 @@ pub trait BlockSession: Send {
     /// Servers replaced so far.
     fn failovers(&self) -> &[Failover] {
         &[]
+    }
+
+    /// What the checks of servers' answers found so far; empty when the blocks run here.
+    fn verification(&self) -> VerifyTally {
+        VerifyTally::default()
     }
 
     /// Frees the session (the servers' KV caches for a remote one).

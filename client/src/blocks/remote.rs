@@ -3,6 +3,7 @@ use super::{BlockSession, BlocksOutput, ModelBlocks};
 use crate::chain::{ChainConfig, ChainSession, Failover, RouteHop};
 use crate::error::Result;
 use crate::swarm::SwarmClient;
+use crate::verification::VerifyTally;
 use candle_core::Tensor;
 use futures::future::BoxFuture;
 use futures::FutureExt;
@@ -92,6 +93,10 @@ impl BlockSession for ChainSession {
 
     fn failovers(&self) -> &[Failover] {
         ChainSession::failovers(self)
+    }
+
+    fn verification(&self) -> VerifyTally {
+        ChainSession::verification(self).clone()
     }
 
     fn close(self: Box<Self>) -> BoxFuture<'static, ()> {

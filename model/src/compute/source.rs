@@ -1,6 +1,7 @@
 //! Opening a model from disk: detect the format, read its description, and hand out spans and heads that read only
 //! their own tensors.
 use crate::compute::block_range::BlockRange;
+use crate::compute::hash_cache::HashCache;
 use crate::compute::head::Head;
 use crate::compute::placement::Placement;
 use crate::compute::span::BlockSpan;
@@ -34,6 +35,8 @@ pub struct ModelSource {
     model_id: OnceLock<String>,
     /// Every block's hash ([`ModelSource::block_hash`]), computed on first use.
     manifest: OnceLock<Arc<Vec<String>>>,
+    /// Where block hashes are cached across runs ([`HashCache`]); `None`: not cached.
+    hash_cache_dir: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for ModelSource {
@@ -85,6 +88,7 @@ impl ModelSource {
             weights,
             model_id: OnceLock::new(),
             manifest: OnceLock::new(),
+            hash_cache_dir: HashCache::default_dir(),
         })
     }
 
@@ -159,12 +163,51 @@ impl ModelSource {
         Ok(hex::encode(h.finalize()))
     }
 
-    /// The hashes of blocks `range`, in order.
+    /// The hashes of blocks `range`, in order: from the disk cache where it has them ([`HashCache`]), else read
+    /// and hashed, and cached.
     pub fn block_hashes(&self, range: BlockRange) -> Result<Vec<String>> {
         range.validate(self.spec.num_blocks)?;
-        (range.start..range.end)
-            .map(|b| self.block_hash(b))
-            .collect()
+        let cache = match &self.hash_cache_dir {
+            Some(dir) => Some(HashCache::for_model(
+                dir,
+                &self.model_id()?,
+                &self.weight_files()?,
+            )?),
+            None => None,
+        };
+        let mut known = cache.as_ref().map(HashCache::load).unwrap_or_default();
+        let missing: Vec<usize> = (range.start..range.end)
+            .filter(|b| !known.contains_key(b))
+            .collect();
+        for &b in &missing {
+            known.insert(b, self.block_hash(b)?);
+        }
+        if let (Some(cache), false) = (&cache, missing.is_empty()) {
+            cache.store(&known);
+        }
+        Ok((range.start..range.end)
+            .filter_map(|b| known.remove(&b))
+            .collect())
+    }
+
+    /// Caches block hashes under `dir` instead of the default directory ([`HashCache::default_dir`]); `None`
+    /// turns the cache off.
+    pub fn set_hash_cache(&mut self, dir: Option<PathBuf>) {
+        self.hash_cache_dir = dir;
+    }
+
+    /// The files the weights are read from: the model file, or a directory's safetensors files.
+    pub fn weight_files(&self) -> Result<Vec<PathBuf>> {
+        if !self.path.is_dir() {
+            return Ok(vec![self.path.clone()]);
+        }
+        let entries = std::fs::read_dir(&self.path).map_err(|e| ModelError::io(&self.path, e))?;
+        let mut files: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        Ok(files)
     }
 
     /// Every block's hash: what a client checks servers' announcements against. Reads the whole model once.

@@ -22,6 +22,7 @@ mod runs;
 use anyhow::{bail, ensure, Result};
 use clap::{Parser, Subcommand};
 use petal_cli::app::{self, CommonArgs};
+use petal_client::VerifyPolicy;
 use report::{round, Summary};
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -91,6 +92,10 @@ struct Args {
     /// Skip the per-hop overhead microbenchmarks.
     #[arg(long)]
     no_overhead: bool,
+    /// What checking servers' answers costs: on a swarm of 2 spans, each served twice, a run per policy (e.g.
+    /// off,0.05,all; the first is the baseline of the ratios). Empty: not measured.
+    #[arg(long, value_delimiter = ',', value_name = "POLICY,...")]
+    verify: Vec<VerifyPolicy>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -171,6 +176,7 @@ async fn run(args: &Args) -> Result<Value> {
         chains.push(runs::measure_chain(&bench, k, paired.as_ref()).await?);
     }
     drop(paired);
+    let verification = runs::measure_verification(&bench, &args.verify).await?;
 
     let mut report = describe(&bench, args, synthetic)?;
     report["machine"] = json!({
@@ -185,6 +191,7 @@ async fn run(args: &Args) -> Result<Value> {
         .map(|c| c.to_json(&local_summary, &local_runs))
         .collect();
     report["overhead"] = overhead;
+    report["verification"] = verification;
     report["elapsed_seconds"] = json!(round(started.elapsed().as_secs_f64(), 1));
     Ok(report)
 }

@@ -5,7 +5,7 @@ use crate::report::{median_ms, Chain, Summary};
 use crate::{load_average, probe, WARMUP_TOKENS};
 use anyhow::Result;
 use petal_cli::LocalSwarm;
-use petal_client::{ChainConfig, Completion, Generator, LocalSpans, SwarmClient};
+use petal_client::{ChainConfig, Completion, Generator, LocalSpans, SwarmClient, VerifyPolicy};
 use petal_model::{BlockRange, GenerationConfig};
 use serde_json::Value;
 use std::time::{Duration, Instant};
@@ -20,6 +20,88 @@ pub fn chain_config() -> ChainConfig {
         discovery_timeout: DISCOVERY_TIMEOUT,
         ..ChainConfig::default()
     }
+}
+
+/// What checking servers' answers costs: a swarm of two spans, each served by two nodes, and `repeats`
+/// generations under each of `policies` in turn (the first is the baseline). Null when `policies` is empty.
+pub async fn measure_verification(bench: &Bench, policies: &[VerifyPolicy]) -> Result<Value> {
+    let Some(baseline) = policies.first() else {
+        return Ok(Value::Null);
+    };
+    let halves = BlockRange::split_even(bench.source.spec().num_blocks, 2);
+    let spans: Vec<BlockRange> = halves.iter().chain(&halves).copied().collect();
+    let (device, dtype) = (bench.device, bench.span_placement.dtype);
+    let swarm = LocalSwarm::start(&bench.path, &spans, |cfg| {
+        cfg.devices = vec![device];
+        cfg.dtype = Some(dtype);
+    })
+    .await?;
+    let client = swarm.client().await?;
+    let mut rows = vec![];
+    let mut result = Ok(());
+    for policy in policies {
+        let config = ChainConfig {
+            verify: *policy,
+            ..chain_config()
+        };
+        let generator =
+            match Generator::remote(&client, &bench.source, bench.head_placement.clone(), config) {
+                Ok(g) => g,
+                Err(e) => {
+                    result = Err(e.into());
+                    break;
+                }
+            };
+        match measure_checked(bench, &generator).await {
+            Ok(row) => rows.push((*policy, row)),
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        }
+    }
+    client.shutdown().await;
+    swarm.shutdown().await;
+    result?;
+    let base = rows
+        .iter()
+        .find(|(p, _)| p == baseline)
+        .map_or(1.0, |(_, r)| r.0.tokens_per_second);
+    let rows: Vec<Value> = rows
+        .into_iter()
+        .map(|(policy, (summary, checked, mismatches))| {
+            eprintln!(
+                "verify {policy:<5} {:.2} tokens/s ({:.2}x of {baseline}), {checked} hop steps checked",
+                summary.tokens_per_second,
+                summary.tokens_per_second / base
+            );
+            serde_json::json!({
+                "policy": policy.to_string(),
+                "tokens_per_second": summary.tokens_per_second,
+                "ratio": summary.tokens_per_second / base,
+                "checked_steps_per_run": checked,
+                "mismatches": mismatches,
+            })
+        })
+        .collect();
+    Ok(
+        serde_json::json!({ "spans": spans.iter().map(ToString::to_string).collect::<Vec<_>>(), "runs": rows }),
+    )
+}
+
+/// A warm-up and `repeats` generations through `generator`: their summary, and the median hop steps checked and
+/// the mismatches found per run.
+async fn measure_checked(bench: &Bench, generator: &Generator) -> Result<(Summary, u64, usize)> {
+    generate(generator, bench, WARMUP_TOKENS).await?;
+    let (mut runs, mut checked, mut mismatches) = (vec![], vec![], 0);
+    for _ in 0..bench.repeats {
+        let run = generate(generator, bench, bench.workload.new_tokens()).await?;
+        checked.push(run.checked_steps);
+        mismatches += run.mismatches;
+        runs.push(run);
+    }
+    checked.sort_unstable();
+    Ok((Summary::of(&runs), checked[checked.len() / 2], mismatches))
 }
 
 /// The whole model in this process: a generator over `spans`, which the probe also runs directly.
@@ -56,6 +138,9 @@ pub struct Run {
     /// round trips), and the head's share (embedding, final norm and LM head, sampling).
     pub blocks_ms: f64,
     pub head_ms: f64,
+    /// Hop steps checked on a second server, and the checks that disagreed.
+    pub checked_steps: u64,
+    pub mismatches: usize,
 }
 
 impl Run {
@@ -71,6 +156,8 @@ impl Run {
             route: completion.cost.route,
             blocks_ms: median_ms(&blocks),
             head_ms: median_ms(&heads),
+            checked_steps: completion.cost.verification.checked_steps,
+            mismatches: completion.cost.verification.mismatches.len(),
         }
     }
 }

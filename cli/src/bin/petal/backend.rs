@@ -4,7 +4,7 @@ use anyhow::Context;
 use clap::Args;
 use libp2p::Multiaddr;
 use petal_cli::seconds::positive_seconds;
-use petal_client::{ChainConfig, Generator, SwarmClient};
+use petal_client::{ChainConfig, Generator, SwarmClient, VerifyPolicy};
 use petal_model::compute::placement::parse_dtype;
 use petal_model::{DeviceSpec, ModelSource, Placement, Tokenizer};
 use std::path::PathBuf;
@@ -38,6 +38,10 @@ pub struct ModelArgs {
     /// Seconds to wait for the swarm to show servers covering the model.
     #[arg(long, default_value = "20", value_parser = positive_seconds)]
     pub discovery_timeout: Duration,
+    /// Check servers' answers on other servers holding the same blocks (swarm mode): a fraction of hop steps
+    /// drawn at random (0.05 or 5%), `all`, or `off`. A server outvoted by two that agree is banned and replaced.
+    #[arg(long, default_value_t = VerifyPolicy::default(), value_name = "RATE|all|off")]
+    pub verify: VerifyPolicy,
 }
 
 /// A loaded model: the generator, its tokenizer, and the swarm membership to shut down at the end.
@@ -71,6 +75,7 @@ impl ModelArgs {
             .context("joining the swarm")?;
         let config = ChainConfig {
             discovery_timeout: self.discovery_timeout,
+            verify: self.verify,
             ..ChainConfig::default()
         };
         Ok(Loaded {

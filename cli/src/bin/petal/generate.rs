@@ -58,6 +58,10 @@ fn print_output(output: &GenerationOutput, swarm: Option<&Cost>, json: bool) -> 
             obj.insert("route".into(), serde_json::json!(cost.route));
             obj.insert("hops".into(), serde_json::to_value(&cost.hops)?);
             obj.insert("failovers".into(), serde_json::to_value(&cost.failovers)?);
+            obj.insert(
+                "verification".into(),
+                serde_json::to_value(&cost.verification)?,
+            );
         }
         println!("{v}");
     } else {
@@ -70,6 +74,17 @@ fn print_output(output: &GenerationOutput, swarm: Option<&Cost>, json: bool) -> 
                 .map(|(r, h)| format!("{r} {}", h.path))
                 .collect();
             eprintln!("route: {}", hops.join(" -> "));
+            let checks = &cost.verification;
+            if checks.checked_steps + checks.unverifiable + checks.skipped > 0 {
+                eprintln!(
+                    "verified {} hop steps ({} tokens); {} mismatches; {} unverifiable (no other server), {} skipped",
+                    checks.checked_steps,
+                    checks.checked_tokens,
+                    checks.mismatches.len(),
+                    checks.unverifiable,
+                    checks.skipped
+                );
+            }
         }
         eprintln!(
             "{} prompt tokens, {} generated ({:?}), {:.1} tokens/s, first token {:.0} ms",

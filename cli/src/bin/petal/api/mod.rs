@@ -5,8 +5,12 @@
 //!
 //! Every request runs in a task of its own on a session of its own (through the swarm: its own chain of server
 //! sessions), so requests are served concurrently; `--max-concurrent` bounds how many generate at once (the rest
-//! wait their turn). A request whose client goes away is aborted and its session freed.
+//! wait their turn, up to `--max-queue`; beyond, 429 with `Retry-After`). Parsing, tokenizing and rendering the
+//! chat template run inside that limit, on the blocking pool; bodies are capped at `--max-body-bytes`. A request
+//! whose client goes away is aborted and its session freed.
+mod admission;
 mod jobs;
+mod metrics;
 mod report;
 mod routes;
 mod state;
@@ -16,6 +20,7 @@ mod types;
 use crate::backend::ModelArgs;
 use anyhow::Context;
 use clap::Args;
+use petal_cli::seconds::positive_seconds;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
@@ -33,6 +38,15 @@ pub struct ApiArgs {
     /// Requests generating at once; more wait for a free slot.
     #[arg(long, default_value_t = 8)]
     pub max_concurrent: usize,
+    /// Requests that may wait for a slot; more are answered 429 with `Retry-After` at once.
+    #[arg(long, default_value_t = 64)]
+    pub max_queue: usize,
+    /// Seconds a request may wait for a slot before it is answered 429.
+    #[arg(long, default_value = "60", value_parser = positive_seconds)]
+    pub queue_timeout: std::time::Duration,
+    /// Largest request body accepted, in bytes (413 beyond).
+    #[arg(long, default_value_t = 4 << 20)]
+    pub max_body_bytes: usize,
     /// Let web pages from ORIGIN (e.g. `https://chat.example.org`; repeatable; `*` for any) call the API from a
     /// browser (CORS, preflight included). Without it only the API's own page (same origin) can.
     #[arg(long = "cors-origin", value_name = "ORIGIN")]
@@ -97,7 +111,12 @@ pub async fn run(args: ApiArgs) -> anyhow::Result<()> {
         fingerprint: state::system_fingerprint(&model_id),
         model_id,
         created: types::now(),
-        permits: Arc::new(tokio::sync::Semaphore::new(args.max_concurrent)),
+        admission: admission::Admission::new(
+            args.max_concurrent,
+            args.max_queue,
+            args.queue_timeout,
+        ),
+        metrics: Default::default(),
     });
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -109,7 +128,7 @@ pub async fn run(args: ApiArgs) -> anyhow::Result<()> {
     use std::io::Write;
     let _ = std::io::stdout().flush();
     tracing::info!(%addr, model = %name, local = state.generator.is_local(), "OpenAI-compatible API up");
-    axum::serve(listener, routes::router(state, cors))
+    axum::serve(listener, routes::router(state, cors, args.max_body_bytes))
         .with_graceful_shutdown(shutdown_signal())
         .await
         .context("HTTP server failed")?;

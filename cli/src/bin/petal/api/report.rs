@@ -88,7 +88,8 @@ pub fn generated(completion: &Completion) -> &[TokenLogprob] {
 
 /// Petal's own report on an answer, as the extra field `petal` (OpenAI clients ignore fields they do not know):
 /// the route (`name(peer)[blocks]` per hop; empty when the whole model runs in the API process), decode speed,
-/// time to the first token, bytes over the network, and every failover (a server replaced mid-answer).
+/// time to the first token, bytes over the network, every failover (a server replaced mid-answer) and what the
+/// checks of servers' answers found.
 pub fn petal(state: &AppState, completion: &Completion) -> Value {
     let out = &completion.output;
     let failovers: Vec<Value> = completion
@@ -114,6 +115,7 @@ pub fn petal(state: &AppState, completion: &Completion) -> Value {
         "total_ms": round(out.total_ms),
         "bytes_on_wire": completion.cost.bytes_on_wire,
         "failovers": failovers,
+        "verification": completion.cost.verification,
     })
 }
 

@@ -7,20 +7,22 @@ use super::stream;
 use super::types::*;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, State};
+use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{header, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 use std::sync::Arc;
+use tokio::sync::OwnedSemaphorePermit;
 use tower_http::cors::CorsLayer;
 
 /// The chat page: one self-contained HTML file (no build step, nothing fetched from elsewhere).
 const PAGE: &str = include_str!("page.html");
 
-/// The routes; with `cors`, every route (and preflight `OPTIONS`) answers cross-origin requests it allows.
-pub fn router(state: Arc<AppState>, cors: Option<CorsLayer>) -> Router {
+/// The routes, taking bodies of at most `max_body_bytes` (413 beyond); with `cors`, every route (and preflight
+/// `OPTIONS`) answers cross-origin requests it allows.
+pub fn router(state: Arc<AppState>, cors: Option<CorsLayer>, max_body_bytes: usize) -> Router {
     let router = Router::new()
         .route("/", get(page))
         .route("/v1/models", get(list_models))
@@ -28,6 +30,7 @@ pub fn router(state: Arc<AppState>, cors: Option<CorsLayer>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/health", get(health))
+        .route("/metrics", get(super::metrics::metrics))
         .fallback(|| async {
             ApiError::invalid(None, "Unknown endpoint")
                 .with_status(StatusCode::NOT_FOUND)
@@ -37,6 +40,7 @@ pub fn router(state: Arc<AppState>, cors: Option<CorsLayer>) -> Router {
             ApiError::invalid(None, "Method not allowed on this endpoint")
                 .with_status(StatusCode::METHOD_NOT_ALLOWED)
         })
+        .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(state);
     match cors {
         Some(cors) => router.layer(cors),
@@ -98,25 +102,43 @@ async fn completions(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let job = body_bytes(body)
-        .and_then(|b| parse_json(&b))
-        .and_then(|v| completion_job(&state, parse_fields(&v)?, &parse_fields(&v)?));
-    match job {
-        Ok(job) => run(state, job).await,
-        Err(e) => e.into_response(),
-    }
+    admit_and_run(state, body, |state, v| {
+        completion_job(state, parse_fields(v)?, &parse_fields(v)?)
+    })
+    .await
 }
 
 async fn chat_completions(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let job = body_bytes(body)
-        .and_then(|b| parse_json(&b))
-        .and_then(|v| chat_job(&state, parse_fields(&v)?, &parse_fields(&v)?));
+    admit_and_run(state, body, |state, v| {
+        chat_job(state, parse_fields(v)?, &parse_fields(v)?)
+    })
+    .await
+}
+
+/// Takes a generation slot (or answers 429), then turns the body into a job with `build` (JSON, tokenizer, chat
+/// template: up to megabytes of CPU work, so on the blocking pool and inside the slot limit), then runs it.
+async fn admit_and_run(
+    state: Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+    build: fn(&AppState, &Value) -> Result<Job, ApiError>,
+) -> Response {
+    let body = match body_bytes(body) {
+        Ok(body) => body,
+        Err(e) => return e.into_response(),
+    };
+    let permit = match state.admission.admit().await {
+        Ok(permit) => permit,
+        Err(e) => return e.into_response(),
+    };
+    let parse_state = state.clone();
+    let job = tokio::task::spawn_blocking(move || build(&parse_state, &parse_json(&body)?)).await;
     match job {
-        Ok(job) => run(state, job).await,
-        Err(e) => e.into_response(),
+        Ok(Ok(job)) => run(state, job, permit).await,
+        Ok(Err(e)) => e.into_response(),
+        Err(e) => ApiError::internal(format!("parsing the request failed: {e}")).into_response(),
     }
 }
 
@@ -126,11 +148,7 @@ fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
 
 /// Opens the session (so that a swarm failure is a proper 503 even for a stream), then generates in a task of its
 /// own.
-async fn run(state: Arc<AppState>, job: Job) -> Response {
-    let permit = match state.permits.clone().acquire_owned().await {
-        Ok(p) => p,
-        Err(_) => return ApiError::internal("the server is shutting down").into_response(),
-    };
+async fn run(state: Arc<AppState>, job: Job, permit: OwnedSemaphorePermit) -> Response {
     let max_length =
         (job.prompt.len() + job.config.max_new_tokens).min(state.generator.max_position());
     let session = match state.generator.open_session(max_length).await {
@@ -174,6 +192,7 @@ async fn run(state: Arc<AppState>, job: Job) -> Response {
     } else {
         Value::Null
     };
+    state.metrics.record(&completion);
     let petal = report::petal(&state, &completion);
     let text = completion.output.text;
     let body = match job.endpoint {

@@ -1,8 +1,6 @@
 //! What the endpoints share: the model, its tokenizer, the API's names for it, and the concurrency limit.
 use petal_client::Generator;
 use petal_model::Tokenizer;
-use std::sync::Arc;
-use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
 pub struct AppState {
@@ -16,7 +14,9 @@ pub struct AppState {
     /// OpenAI's `system_fingerprint`: `petal-<version>-<first 12 hex digits of the weights' fingerprint>`, which
     /// changes when either the server or the weights do.
     pub fingerprint: String,
-    pub permits: Arc<Semaphore>,
+    /// Generation slots and the queue for them.
+    pub admission: super::admission::Admission,
+    pub metrics: super::metrics::ApiMetrics,
 }
 
 /// [`AppState::fingerprint`] for a model id (`<name>-<hex digest>`).

@@ -142,6 +142,7 @@ pub fn respond(
                     Value::Null
                 };
                 let mut last = chunks.text("", lp, Some(reason));
+                state.metrics.record(&c);
                 last["petal"] = report::petal(&state, &c);
                 let _ = tx.send(event(&last));
                 if job.include_usage {

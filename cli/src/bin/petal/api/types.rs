@@ -1,5 +1,5 @@
 //! OpenAI's request and response shapes (the subset Petal serves), and its error format.
-use axum::http::StatusCode;
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::{Deserialize, Serialize};
@@ -16,6 +16,8 @@ pub struct ApiError {
     pub kind: &'static str,
     pub param: Option<String>,
     pub code: Option<&'static str>,
+    /// Seconds to send as `Retry-After` (429 answers).
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -27,6 +29,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: param.map(str::to_string),
             code: None,
+            retry_after: None,
         }
     }
 
@@ -58,6 +61,7 @@ impl ApiError {
             kind: "server_error",
             param: None,
             code: Some("swarm_unavailable"),
+            retry_after: None,
         }
     }
 
@@ -69,6 +73,19 @@ impl ApiError {
             kind: "server_error",
             param: None,
             code: None,
+            retry_after: None,
+        }
+    }
+
+    /// 429: no generation slot free and no room to wait for one; the client should retry after `seconds`.
+    pub fn overloaded(message: impl Into<String>, seconds: u64) -> Self {
+        Self {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: message.into(),
+            kind: "rate_limit_error",
+            param: None,
+            code: Some("server_overloaded"),
+            retry_after: Some(seconds),
         }
     }
 
@@ -100,7 +117,13 @@ impl IntoResponse for ApiError {
         } else {
             tracing::debug!(status = %self.status, message = %self.message, "request refused");
         }
-        (self.status, Json(self.body())).into_response()
+        let mut response = (self.status, Json(self.body())).into_response();
+        if let Some(seconds) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
     }
 }
 

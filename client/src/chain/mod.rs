@@ -1,15 +1,20 @@
 //! A session over a chain of servers: one [`HopClient`] per hop, hidden states streamed through them in order.
 //! The chain keeps each hop's inputs, so when a server fails it bans it, plans a replacement chain for its blocks,
 //! replays those inputs to rebuild the KV caches there, and carries on: the output is the same as an undisturbed
-//! run's.
+//! run's. With verification on, it also checks a sample of hops' steps on a second chain over the same blocks
+//! ([`verify`]).
+mod verify;
+
 use crate::error::{ClientError, Result};
 use crate::hop::HopClient;
 use crate::router::Hop;
 use crate::swarm::SwarmClient;
+use crate::verification::{Numerics, VerifyPolicy, VerifyTally};
 use candle_core::Tensor;
 use petal_model::compute::wire::from_wire;
 use petal_model::BlockRange;
 use petal_proto::pb;
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 /// Bound on reaching a server again after its connection broke: long enough for a relayed connection and the
@@ -30,6 +35,8 @@ pub struct ChainConfig {
     /// Time the open, or one step, may spend routing around failing servers (trying others, replaying) before
     /// it gives up with the last error. Zero: the first failure is final.
     pub failover_budget: Duration,
+    /// Which hop steps are checked on a second server ([`crate::verification`]).
+    pub verify: VerifyPolicy,
 }
 
 impl Default for ChainConfig {
@@ -39,6 +46,7 @@ impl Default for ChainConfig {
             per_token_timeout: Duration::from_millis(50),
             discovery_timeout: Duration::from_secs(20),
             failover_budget: Duration::from_secs(90),
+            verify: VerifyPolicy::default(),
         }
     }
 }
@@ -64,10 +72,30 @@ pub struct Failover {
 }
 
 /// One link of an open chain: the hop's client and every input sent to it, in wire form, so a replacement server
-/// can be rebuilt by replay.
+/// can be rebuilt by replay, and the chain checking its answers.
 struct ChainLink {
     hop: HopClient,
     history: Vec<(u32, pb::Tensor)>,
+    /// A second chain over the same blocks on other servers, fed the same inputs; opened at the first check.
+    shadow: Option<verify::Shadow>,
+    /// Until when to stop looking for a second chain: none covered these blocks when last looked.
+    unverifiable_until: Option<Instant>,
+}
+
+impl ChainLink {
+    fn new(hop: HopClient) -> Self {
+        Self {
+            hop,
+            history: vec![],
+            shadow: None,
+            unverifiable_until: None,
+        }
+    }
+
+    /// What its answers' rounding depends on ([`Numerics`]).
+    fn numerics(&self) -> Numerics {
+        Numerics::of_server(&self.hop.hop().record, self.hop.wire_dtype())
+    }
 }
 
 /// What one step through the chain cost at each hop.
@@ -100,6 +128,7 @@ pub struct ChainSession {
     max_length: usize,
     config: ChainConfig,
     failovers: Vec<Failover>,
+    verification: VerifyTally,
 }
 
 impl ChainSession {
@@ -120,19 +149,25 @@ impl ChainSession {
             max_length,
             config,
             failovers: vec![],
+            verification: VerifyTally::default(),
         };
-        session.links = session.open_chain(BlockRange::new(0, num_blocks)).await?;
+        let whole = BlockRange::new(0, num_blocks);
+        session.links = session.open_chain(whole, HashSet::new(), false).await?;
         tracing::info!(route = %session.route().join(" -> "), "session opened");
         Ok(session)
     }
 
-    /// Opens sessions on a freshly planned chain over `range`, routing around servers that refuse.
+    /// Opens sessions on a freshly planned chain over `range`, never on a peer in `exclude`, routing around
+    /// servers that refuse. An `optional` chain (for checking answers) is planned from one look at the swarm and
+    /// never on peers that failed recently ([`SwarmClient::plan_without`]).
     ///
     /// The future borrows nothing from the session: a `ChainSession` is `Send` but not `Sync` (libp2p streams are
     /// not), and a future holding `&self` across an await would make `step` unusable in spawned tasks.
     fn open_chain(
         &self,
         range: BlockRange,
+        exclude: HashSet<String>,
+        optional: bool,
     ) -> impl std::future::Future<Output = Result<Vec<ChainLink>>> + Send + 'static {
         let client = self.client.clone();
         let model_id = self.model_id.clone();
@@ -143,17 +178,20 @@ impl ChainSession {
             let deadline = Instant::now() + config.failover_budget;
             'plan: loop {
                 let route = client
-                    .plan(&model_id, range, config.discovery_timeout)
+                    .plan_without(
+                        &model_id,
+                        range,
+                        &exclude,
+                        config.discovery_timeout,
+                        optional,
+                    )
                     .await?;
                 let banned = client.banned();
                 let mut links = Vec::with_capacity(route.len());
                 for hop in route {
                     let peer = hop.record.peer_id.clone();
                     match open_hop(net, &model_id, hop, max_length, config.step_timeout).await {
-                        Ok(hop) => links.push(ChainLink {
-                            hop,
-                            history: vec![],
-                        }),
+                        Ok(hop) => links.push(ChainLink::new(hop)),
                         Err(e) if e.is_retryable() && Instant::now() < deadline => {
                             tracing::warn!(%peer, error = %e, "server refused or failed to open a session; routing around it");
                             client.ban(&peer);
@@ -205,9 +243,16 @@ impl ChainSession {
         &self.failovers
     }
 
-    /// Bytes sent and received on all hops' streams so far.
+    /// What the checks of hops' answers found so far.
+    pub fn verification(&self) -> &VerifyTally {
+        &self.verification
+    }
+
+    /// Bytes sent and received on all hops' streams so far (second chains' included).
     pub fn bytes_on_wire(&self) -> u64 {
-        self.links.iter().map(|l| l.hop.bytes_on_wire()).sum()
+        let shadows = self.links.iter().flat_map(|l| &l.shadow);
+        let links: u64 = self.links.iter().map(|l| l.hop.bytes_on_wire()).sum();
+        links + shadows.map(|s| s.bytes_on_wire()).sum::<u64>()
     }
 
     /// Runs `hidden` (`[batch, tokens, hidden]`) for the next positions through every hop and returns the last
@@ -228,8 +273,13 @@ impl ChainSession {
                         round_trip: out.round_trip,
                         compute: out.compute,
                     });
-                    x = out.hidden;
-                    hop += 1;
+                    // Fed to the hop's shadow, and checked when drawn. On a proven lie the hop is replaced by the
+                    // chain that outvoted it (it may have several links) and the answer by that chain's.
+                    let drawn = self.config.verify.draw();
+                    let (checked, links) =
+                        self.check(hop, out.hidden, self.position, drawn).await?;
+                    x = checked;
+                    hop += links;
                 }
                 Err(e) if e.is_retryable() && Instant::now() < deadline => {
                     self.replace(hop, e, deadline).await?;
@@ -288,7 +338,7 @@ impl ChainSession {
         self.client.ban(failed_hop.peer_id());
         loop {
             let banned = self.client.banned();
-            let mut fresh = self.open_chain(range).await?;
+            let mut fresh = self.open_chain(range, HashSet::new(), false).await?;
             match replay(&mut fresh, &failed.history, &self.config).await {
                 Ok(()) => {
                     let done = failover(cause.to_string());
@@ -381,10 +431,7 @@ async fn reconnect(
         broke_at,
     )
     .await?;
-    let mut fresh = [ChainLink {
-        hop: client,
-        history: vec![],
-    }];
+    let mut fresh = [ChainLink::new(client)];
     replay(&mut fresh, history, config)
         .await
         .map_err(|(_, e)| e)?;
@@ -400,30 +447,39 @@ async fn replay(
     config: &ChainConfig,
 ) -> std::result::Result<(), (usize, ClientError)> {
     for (position, input) in history {
-        let local = |e: String| {
-            (
-                0,
-                ClientError::Protocol {
-                    peer: "self".into(),
-                    reason: e,
-                },
-            )
-        };
-        let (dtype, shape) =
-            petal_proto::tensor::validate(input, usize::MAX).map_err(|e| local(e.to_string()))?;
-        let mut x = from_wire(input, dtype, &shape).map_err(|e| local(e.to_string()))?;
-        let timeout = config.timeout_for(shape.get(1).copied().unwrap_or(1));
-        for (i, link) in chain.iter_mut().enumerate() {
-            let out = link
-                .hop
-                .step(&x, *position as usize, timeout)
-                .await
-                .map_err(|e| (i, e))?;
-            link.history.push((*position, out.sent));
-            x = out.hidden;
-        }
+        let x = recorded(input).map_err(|e| (0, e))?;
+        let timeout = config.timeout_for(x.dim(1).unwrap_or(1));
+        run_links(chain, x, *position, timeout).await?;
     }
     Ok(())
+}
+
+/// Runs `x` for positions `position..` through `chain`'s links in order, each recording its input, and returns the
+/// last one's output. On error, says which link failed.
+async fn run_links(
+    chain: &mut [ChainLink],
+    mut x: Tensor,
+    position: u32,
+    timeout: Duration,
+) -> std::result::Result<Tensor, (usize, ClientError)> {
+    for (i, link) in chain.iter_mut().enumerate() {
+        let out = link
+            .hop
+            .step(&x, position as usize, timeout)
+            .await
+            .map_err(|e| (i, e))?;
+        link.history.push((position, out.sent));
+        x = out.hidden;
+    }
+    Ok(x)
+}
+
+/// A recorded step input as a tensor again. It was encoded here, so a failure is a local bug, never a server's
+/// fault (the error is not retryable).
+fn recorded(input: &pb::Tensor) -> Result<Tensor> {
+    let (dtype, shape) = petal_proto::tensor::validate(input, usize::MAX)
+        .map_err(|e| ClientError::Request(format!("a recorded step input is malformed: {e}")))?;
+    Ok(from_wire(input, dtype, &shape)?)
 }
 
 #[cfg(test)]
