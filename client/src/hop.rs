@@ -104,7 +104,9 @@ impl HopClient {
         self.stream.bytes_sent() + self.stream.bytes_received()
     }
 
-    /// Runs `hidden` for positions `position..` through the hop's blocks.
+    /// Runs `hidden` for positions `position..` through the hop's blocks: in one protocol step, or, when it holds
+    /// more positions (batch x tokens) than the server takes in one (its record's `max_chunk_tokens`), in steps of
+    /// that many tokens, in order. `timeout` bounds each of them.
     pub async fn step(
         &mut self,
         hidden: &Tensor,
@@ -112,7 +114,33 @@ impl HopClient {
         timeout: Duration,
     ) -> Result<HopStep> {
         let sent = to_wire(hidden, self.dtype)?;
-        self.step_wire(sent, position, timeout).await
+        let (batch, tokens, _) = hidden.dims3().map_err(petal_model::ModelError::from)?;
+        let chunk = match self.hop.record.max_chunk_tokens as usize {
+            0 => tokens,
+            limit => (limit / batch.max(1)).max(1),
+        };
+        if tokens <= chunk {
+            return self.step_wire(sent, position, timeout).await;
+        }
+        let (mut outs, mut round_trip, mut compute) = (vec![], Duration::ZERO, Duration::ZERO);
+        for start in (0..tokens).step_by(chunk) {
+            let part = hidden
+                .narrow(1, start, chunk.min(tokens - start))
+                .map_err(petal_model::ModelError::from)?;
+            let out = self
+                .step_wire(to_wire(&part, self.dtype)?, position + start, timeout)
+                .await?;
+            outs.push(out.hidden);
+            round_trip += out.round_trip;
+            compute += out.compute;
+        }
+        let hidden = Tensor::cat(&outs, 1).map_err(petal_model::ModelError::from)?;
+        Ok(HopStep {
+            hidden,
+            sent,
+            round_trip,
+            compute,
+        })
     }
 
     /// [`HopClient::step`] for an input already in wire form (a replay).

@@ -101,6 +101,8 @@ pub struct Numerics {
     pub quantized: bool,
     /// Device kinds ("cpu", "cuda", "metal") of the servers involved.
     pub devices: BTreeSet<String>,
+    /// Their `max_chunk_tokens`: servers that split a long step differently round differently.
+    pub chunks: BTreeSet<u32>,
 }
 
 impl Numerics {
@@ -115,6 +117,7 @@ impl Numerics {
             dtype: Some(dtype),
             quantized: !matches!(record.quantization.as_str(), "" | "none"),
             devices,
+            chunks: [record.max_chunk_tokens].into(),
         }
     }
 
@@ -130,6 +133,7 @@ impl Numerics {
         };
         self.quantized |= other.quantized;
         self.devices.extend(other.devices.iter().cloned());
+        self.chunks.extend(other.chunks.iter().copied());
         self
     }
 
@@ -140,10 +144,13 @@ impl Numerics {
     /// of 0.1% of an f32 hidden state is still caught. Different devices round differently: about 1e-6 apart per
     /// block for dense weights, but kernels that quantize activations to 8 bits (quantized weights) turn such
     /// differences into about 1e-2 over 30 blocks (model/tests/chunking.rs), so mixed devices get 10x, and 50x
-    /// with quantized weights.
+    /// with quantized weights. So do servers that split long steps into chunks of different sizes.
     pub fn tolerance(&self) -> f32 {
         let base = base_tolerance(self.dtype.unwrap_or(WireDType::F32));
-        match (self.devices.len() > 1, self.quantized) {
+        match (
+            self.devices.len() > 1 || self.chunks.len() > 1,
+            self.quantized,
+        ) {
             (false, _) => base,
             (true, false) => base * 10.0,
             (true, true) => base * 50.0,
@@ -341,6 +348,16 @@ mod tests {
         let dense =
             server("cpu", "none", WireDType::F16).join(&server("cuda:0", "none", WireDType::F16));
         assert!((dense.tolerance() - 0.1).abs() < 1e-6);
+        let chunked = |limit| {
+            let record = ServerRecord {
+                quantization: "q4_1".into(),
+                max_chunk_tokens: limit,
+                ..Default::default()
+            };
+            Numerics::of_server(&record, WireDType::F32)
+        };
+        assert_eq!(chunked(512).join(&chunked(512)).tolerance(), 1e-3);
+        assert_eq!(chunked(512).join(&chunked(64)).tolerance(), 5e-2);
     }
 
     #[test]

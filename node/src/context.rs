@@ -20,6 +20,8 @@ pub struct ServerContext {
     pub admission: Arc<Admission>,
     pub session_timeout: Duration,
     pub max_frame_bytes: usize,
+    /// Most positions (batch x tokens) one step may carry, as the record announces (0: no limit).
+    pub max_chunk_tokens: usize,
     record: Mutex<pb::ServerRecord>,
     /// Prometheus metrics (rendered by [`crate::metrics::render`]).
     pub metrics: Metrics,
@@ -53,6 +55,7 @@ impl ServerContext {
             admission,
             session_timeout,
             max_frame_bytes,
+            max_chunk_tokens: record.max_chunk_tokens as usize,
             record: Mutex::new(record),
             metrics,
         })

@@ -245,6 +245,18 @@ async fn run_step(
             format!("hidden states of shape {shape:?}, expected [batch<={MAX_BATCH}, tokens, {hidden_size}]"),
         );
     }
+    let positions = shape[0] * shape[1];
+    if ctx.max_chunk_tokens > 0 && positions > ctx.max_chunk_tokens {
+        // Refused before any compute: a step's memory grows with its positions (attention scores with their
+        // square), and this bound is what the node was sized for.
+        return error(
+            ErrorCode::StepTooLarge,
+            format!(
+                "a step of {positions} positions (batch {} x {} tokens); this server takes at most {} per step: split the prompt",
+                shape[0], shape[1], ctx.max_chunk_tokens
+            ),
+        );
+    }
     if let Err(e) = petal_proto::tensor::check_finite(dtype, &hidden.data) {
         return error(ErrorCode::NonFinite, e.to_string());
     }

@@ -47,6 +47,9 @@ pub struct NodeConfig {
     pub session_timeout: Duration,
     pub record_ttl: Duration,
     pub max_frame_bytes: usize,
+    /// Most positions (batch x tokens) one step may carry (`--max-chunk-tokens`), announced so clients split
+    /// long prompts: it bounds a step's activations and attention scores, whatever the prompt's length.
+    pub max_chunk_tokens: usize,
     /// Serve Prometheus metrics on `GET http://ADDR/metrics` (`--metrics-listen`); `None`: no metrics server.
     pub metrics_listen: Option<SocketAddr>,
     /// Draw the block-loading progress bar in this group of bars (the demo's); `None`: a bar of its own. Bars go
@@ -74,11 +77,16 @@ impl NodeConfig {
             session_timeout: Duration::from_secs(300),
             record_ttl: petal_p2p::DEFAULT_RECORD_TTL,
             max_frame_bytes: petal_proto::DEFAULT_MAX_FRAME_BYTES,
+            max_chunk_tokens: DEFAULT_MAX_CHUNK_TOKENS,
             metrics_listen: None,
             progress: None,
         }
     }
 }
+
+/// Default `--max-chunk-tokens`: a prompt's prefill in steps of 512 positions costs next to nothing in speed
+/// (each is a full matrix product) and bounds a step's attention scores to 512 x context per head.
+pub const DEFAULT_MAX_CHUNK_TOKENS: usize = 512;
 
 /// How long `Node::start` waits for its first DHT announcement.
 const FIRST_ANNOUNCE_WAIT: Duration = Duration::from_secs(10);
@@ -162,6 +170,7 @@ impl Node {
             public_name: config.public_name.clone(),
             devices: device_infos,
             block_hashes,
+            max_chunk_tokens: u32::try_from(config.max_chunk_tokens).unwrap_or(u32::MAX),
             ..Default::default()
         };
         let ctx = Arc::new(ServerContext::new(

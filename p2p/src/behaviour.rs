@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use libp2p::{
-    autonat, dcutr, identify,
+    autonat, connection_limits, dcutr, identify,
     identity::Keypair,
     kad::{self, store::MemoryStore, store::MemoryStoreConfig},
     ping, relay,
@@ -38,6 +38,8 @@ pub struct PetalBehaviour {
     pub dcutr: dcutr::Behaviour,
     /// Learns whether this node is reachable (servers only: a client never needs to be dialed).
     pub autonat: Toggle<autonat::Behaviour>,
+    /// Refuses connections beyond [`NetConfig::connection_limits`].
+    pub limits: connection_limits::Behaviour,
 }
 
 impl PetalBehaviour {
@@ -116,6 +118,7 @@ impl PetalBehaviour {
                     .dht_server
                     .then(|| autonat::Behaviour::new(peer_id, autonat_config())),
             ),
+            limits: connection_limits::Behaviour::new(config.connection_limits.clone()),
         }
     }
 }

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use libp2p::{identity::Keypair, Multiaddr};
+use libp2p::{connection_limits::ConnectionLimits, identity::Keypair, Multiaddr};
 
 use crate::reachability::RelayLimits;
 
@@ -44,6 +44,19 @@ pub struct NetConfig {
     /// The private swarm's pre-shared key ([`crate::swarm_key`]): only peers holding it can connect. QUIC is off
     /// when it is set.
     pub swarm_key: Option<crate::swarm_key::PreSharedKey>,
+    /// Bounds on connections, enforced before any protocol runs on them ([`default_connection_limits`]).
+    pub connection_limits: ConnectionLimits,
+}
+
+/// The default bounds on a peer's connections: 128 handshakes in progress and 1,024 established connections
+/// inbound, 2,048 in all, and 8 per remote peer (a client needs one, two while a relayed connection is upgraded to
+/// a direct one). A flood of connections is refused before it costs a handshake or a stream each.
+pub fn default_connection_limits() -> ConnectionLimits {
+    ConnectionLimits::default()
+        .with_max_pending_incoming(Some(128))
+        .with_max_established_incoming(Some(1024))
+        .with_max_established(Some(2048))
+        .with_max_established_per_peer(Some(8))
 }
 
 impl NetConfig {
@@ -60,6 +73,7 @@ impl NetConfig {
             relay: None,
             use_relays: false,
             swarm_key: None,
+            connection_limits: default_connection_limits(),
         }
     }
 }

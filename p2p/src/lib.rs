@@ -25,9 +25,12 @@ pub mod swarm_key;
 
 pub use announcer::{Announcer, AnnouncerHandle};
 pub use behaviour::{IDENTIFY_PROTOCOL_VERSION, KAD_PROTOCOL};
-pub use config::{NetConfig, DEFAULT_IDLE_CONNECTION_TIMEOUT, DEFAULT_RECORD_TTL};
+pub use config::{
+    default_connection_limits, NetConfig, DEFAULT_IDLE_CONNECTION_TIMEOUT, DEFAULT_RECORD_TTL,
+};
 pub use error::NetError;
 pub use identity::{generate_to_file, load_from_file};
+pub use libp2p::connection_limits::ConnectionLimits;
 pub use network::{inference_protocol, Network, OPEN_STREAM_TIMEOUT};
 pub use reachability::{ConnectionPath, NatStatus, Reachability, RelayLimits};
 pub use records::{find_servers, is_live, model_key, now_unix_ms, server_key, SERVERS_KEY};

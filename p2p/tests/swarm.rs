@@ -10,7 +10,7 @@ use std::{
 
 use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
 use petal_p2p::{
-    find_servers, model_key, now_unix_ms,
+    default_connection_limits, find_servers, model_key, now_unix_ms,
     records::{sign_record, verify_record},
     server_key,
     swarm_key::PreSharedKey,
@@ -729,6 +729,51 @@ async fn listen_conflict_is_reported() {
         let err = Network::start(config).await.expect_err("port in use");
         assert!(matches!(err, NetError::Listen { .. }), "{err}");
         first.shutdown().await;
+    })
+    .await;
+}
+
+/// A server taking at most two inbound connections refuses a third peer's, however it retries, and takes it once one
+/// of the first two has gone: connections beyond the limits never reach a protocol.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_the_limit_are_refused() {
+    bounded(async {
+        let mut config = NetConfig::new(Keypair::generate_ed25519());
+        config.dht_server = true;
+        config.listen = vec![loopback_tcp()];
+        config.connection_limits =
+            default_connection_limits().with_max_established_incoming(Some(2));
+        let server = Network::start(config).await.expect("server");
+        let _incoming = server.accept_streams().expect("accept");
+        let addr = first_addr(&server).await;
+        let peer = server.peer_id();
+        let mut clients = vec![];
+        for _ in 0..3 {
+            let client = start(false, vec![], vec![]).await;
+            client.add_addresses(peer, vec![addr.clone()]).await;
+            clients.push(client);
+        }
+        for client in &clients[..2] {
+            client
+                .open_stream(peer)
+                .await
+                .expect("one of the first two");
+        }
+        let third = clients[2].open_stream(peer).await;
+        assert!(third.is_err(), "a third inbound connection was accepted");
+        let connected = server.connected_peers().await;
+        assert!(!connected.contains(&clients[2].peer_id()), "{connected:?}");
+        assert_eq!(connected.len(), 2, "{connected:?}");
+
+        clients[0].shutdown().await;
+        let gone = clients[0].peer_id();
+        while server.connected_peers().await.contains(&gone) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        clients[2]
+            .open_stream(peer)
+            .await
+            .expect("a slot came free");
     })
     .await;
 }

@@ -501,6 +501,7 @@ impl Actor {
                 Err(e) => tracing::debug!(%peer, error = %e, "ping failed"),
             },
             SwarmEvent::Behaviour(PetalBehaviourEvent::Stream(())) => {}
+            SwarmEvent::Behaviour(PetalBehaviourEvent::Limits(never)) => match never {},
             SwarmEvent::Behaviour(PetalBehaviourEvent::Autonat(event)) => {
                 self.on_autonat_event(event)
             }

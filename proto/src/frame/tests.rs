@@ -48,6 +48,7 @@ fn sample_record() -> pb::ServerRecord {
         withdrawn: false,
         sessions_open: 3,
         block_hashes: vec!["ab".repeat(32); 11],
+        max_chunk_tokens: 512,
     }
 }
 

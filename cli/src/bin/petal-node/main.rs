@@ -135,6 +135,9 @@ struct ServeArgs {
     /// Most sessions open at once.
     #[arg(long, default_value_t = 64)]
     max_sessions: usize,
+    /// Most positions (batch x tokens) one step may carry; clients split longer prompts into steps of this size.
+    #[arg(long, default_value_t = petal_node::server::DEFAULT_MAX_CHUNK_TOKENS as u32, value_parser = clap::value_parser!(u32).range(1..))]
+    max_chunk_tokens: u32,
     /// Seconds a session may sit idle before it is evicted.
     #[arg(long, default_value = "300", value_parser = positive_seconds)]
     session_timeout: Duration,
@@ -200,6 +203,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.public_name = args.public_name;
     config.cache_tokens = args.cache_tokens;
     config.max_sessions = args.max_sessions;
+    config.max_chunk_tokens = args.max_chunk_tokens as usize;
     config.session_timeout = args.session_timeout;
     config.record_ttl = args.net.record_ttl;
     config.metrics_listen = args.metrics_listen;
