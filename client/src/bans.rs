@@ -59,19 +59,24 @@ impl Bans {
 
     /// Peers with a failure still remembered at `now` (sitting out or not).
     pub fn suspects(&mut self, now: Instant) -> HashSet<String> {
-        self.banned(now);
+        self.forget_decayed(now);
         self.peers.keys().cloned().collect()
     }
 
     /// Peers sitting out at `now`; forgets those whose failures have all decayed.
     pub fn banned(&mut self, now: Instant) -> HashSet<String> {
-        self.peers
-            .retain(|_, s| s.until > now || decayed(s, now) > 0);
+        self.forget_decayed(now);
         self.peers
             .iter()
             .filter(|(_, s)| s.until > now)
             .map(|(p, _)| p.clone())
             .collect()
+    }
+
+    /// Drops peers out of their ban whose failures have all decayed by `now`.
+    fn forget_decayed(&mut self, now: Instant) {
+        self.peers
+            .retain(|_, s| s.until > now || decayed(s, now) > 0);
     }
 }
 

@@ -447,11 +447,21 @@ async fn replay(
     config: &ChainConfig,
 ) -> std::result::Result<(), (usize, ClientError)> {
     for (position, input) in history {
-        let x = recorded(input).map_err(|e| (0, e))?;
-        let timeout = config.timeout_for(x.dim(1).unwrap_or(1));
-        run_links(chain, x, *position, timeout).await?;
+        run_recorded(chain, *position, input, config).await?;
     }
     Ok(())
+}
+
+/// Runs one recorded step input (`input`, for positions `position..`) through `chain`, as [`run_links`] does.
+async fn run_recorded(
+    chain: &mut [ChainLink],
+    position: u32,
+    input: &pb::Tensor,
+    config: &ChainConfig,
+) -> std::result::Result<Tensor, (usize, ClientError)> {
+    let x = recorded(input).map_err(|e| (0, e))?;
+    let timeout = config.timeout_for(x.dim(1).unwrap_or(1));
+    run_links(chain, x, position, timeout).await
 }
 
 /// Runs `x` for positions `position..` through `chain`'s links in order, each recording its input, and returns the

@@ -6,7 +6,7 @@
 //! check. On a mismatch, a third chain on yet other servers decides: a server outvoted by two that agree is banned
 //! for the longest time, and if it was the hop's, the chain that outvoted it takes its place (it holds the same
 //! history) and its answer is used.
-use super::{recorded, run_links, ChainConfig, ChainLink, ChainSession, Failover};
+use super::{run_recorded, ChainConfig, ChainLink, ChainSession, Failover};
 use crate::error::{ClientError, Result};
 use crate::verification::{deviation, judge, Mismatch, Numerics, Opinions, Verdict};
 use candle_core::Tensor;
@@ -138,7 +138,7 @@ async fn run(
                         *j,
                         ClientError::Request(format!("an earlier step failed: {e}")),
                     )),
-                    None => step(&mut links, position, &input, &config).await,
+                    None => run_recorded(&mut links, position, &input, &config).await,
                 };
                 bytes.store(
                     links.iter().map(|l| l.hop.bytes_on_wire()).sum(),
@@ -160,17 +160,6 @@ async fn run(
     }
 }
 
-async fn step(
-    links: &mut [ChainLink],
-    position: u32,
-    input: &pb::Tensor,
-    config: &ChainConfig,
-) -> std::result::Result<Tensor, LinkFailure> {
-    let x = recorded(input).map_err(|e| (0, e))?;
-    let timeout = config.timeout_for(x.dim(1).unwrap_or(1));
-    run_links(links, x, position, timeout).await
-}
-
 impl ChainSession {
     /// Feeds hop `i`'s last input (the step at `position`, whose answer was `out`) to its shadow and, when `drawn`,
     /// checks `out` against the shadow's answer, and on a mismatch against a third chain's. Returns the answer to go
@@ -183,20 +172,22 @@ impl ChainSession {
         position: usize,
         drawn: bool,
     ) -> Result<(Tensor, usize)> {
-        let started = Instant::now();
-        let hop = self.links[i].hop.hop().clone();
-        let primary = hop.peer_id().to_string();
-        let Some((_, input)) = self.links[i].history.last() else {
+        let link = &self.links[i];
+        let Some((_, input)) = link.history.last() else {
             return Ok((out, 1));
         };
-        let input = input.clone();
-        let seen = self.links[i].history.len() - 1;
         if !drawn {
-            if let Some(shadow) = &self.links[i].shadow {
-                shadow.feed(position as u32, input);
+            // Every step goes through here: nothing is copied unless a shadow takes the input.
+            if let Some(shadow) = &link.shadow {
+                shadow.feed(position as u32, input.clone());
             }
             return Ok((out, 1));
         }
+        let started = Instant::now();
+        let input = input.clone();
+        let seen = link.history.len() - 1;
+        let hop = link.hop.hop().clone();
+        let primary = hop.peer_id().to_string();
         let shadow = match self.links[i].shadow.take() {
             Some(shadow) => shadow,
             None if self.links[i]
@@ -206,11 +197,8 @@ impl ChainSession {
                 self.verification.unverifiable += 1;
                 return Ok((out, 1));
             }
-            None => match self
-                .open_chain(hop.range, [primary.clone()].into(), true)
-                .await
-            {
-                Ok(links) => Shadow::start(links, &self.links[i].history[..seen], &self.config),
+            None => match self.open_checker(i, seen, [primary.clone()].into()).await {
+                Ok(shadow) => shadow,
                 Err(ClientError::Uncovered { .. }) => {
                     tracing::debug!(blocks = %hop.range, "no other server holds these blocks; their answers go unchecked");
                     self.links[i].unverifiable_until = Some(started + RECHECK_AFTER);
@@ -246,17 +234,14 @@ impl ChainSession {
 
         let mut exclude: HashSet<String> = shadow.peers.iter().cloned().collect();
         exclude.insert(primary.clone());
-        let third = match self.open_chain(hop.range, exclude, true).await {
-            Ok(links) => {
-                let third = Shadow::start(links, &self.links[i].history[..seen], &self.config);
-                match third.answer(position as u32, input).await {
-                    Ok(answer) => Some((third, answer)),
-                    Err((j, e)) => {
-                        self.checker_failed(&third, j, &e);
-                        None
-                    }
+        let third = match self.open_checker(i, seen, exclude).await {
+            Ok(third) => match third.answer(position as u32, input).await {
+                Ok(answer) => Some((third, answer)),
+                Err((j, e)) => {
+                    self.checker_failed(&third, j, &e);
+                    None
                 }
-            }
+            },
             Err(e) => {
                 tracing::debug!(blocks = %hop.range, error = %e, "no third chain");
                 None
@@ -342,6 +327,24 @@ impl ChainSession {
         tracing::warn!(verdict = ?mismatch.verdict, banned = ?mismatch.banned, blocks = %hop.range, position, "verification mismatch");
         self.verification.mismatches.push(mismatch);
         Ok(result)
+    }
+
+    /// A chain over hop `i`'s blocks on servers not in `exclude`, fed the first `seen` entries of its history.
+    /// It takes `&mut self` because a future holding `&self` across an await would not be `Send` (see
+    /// [`ChainSession::open_chain`]).
+    async fn open_checker(
+        &mut self,
+        i: usize,
+        seen: usize,
+        exclude: HashSet<String>,
+    ) -> Result<Shadow> {
+        let range = self.links[i].hop.hop().range;
+        let links = self.open_chain(range, exclude, true).await?;
+        Ok(Shadow::start(
+            links,
+            &self.links[i].history[..seen],
+            &self.config,
+        ))
     }
 
     /// A second or third chain's link `j` failed: the step goes unchecked, and its server is banned like any
