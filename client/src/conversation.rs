@@ -67,7 +67,8 @@ impl<'g> Conversation<'g> {
         })
     }
 
-    /// Positions a session is opened for (at least what the turn needs, at most the model's context).
+    /// Positions a session is opened for (at least what the turn needs, at most the model's context); it grows as the
+    /// conversation goes on.
     pub fn with_window(mut self, positions: usize) -> Self {
         self.window = positions;
         self
@@ -124,12 +125,13 @@ impl<'g> Conversation<'g> {
                 ids.len()
             )));
         }
-        let needed = (ids.len() + config.max_new_tokens).min(max_position);
+        let needed = self
+            .generator
+            .reservation_for(ids.len(), config.max_new_tokens);
         let reusable = self.session.as_ref().is_some_and(|s| {
             s.position() == self.processed.len()
                 && ids.len() > self.processed.len()
                 && ids.starts_with(&self.processed)
-                && needed <= s.max_length()
         });
         if reusable {
             let mut emitted = false;

@@ -55,6 +55,18 @@ impl ClientError {
         matches!(self, Self::Net(_) | Self::Protocol { .. })
     }
 
+    /// Whether the server took the session back to make room for another peer (fair sharing): nothing wrong with
+    /// the server, so it is not banned; the session is opened again, there or elsewhere, and replayed.
+    pub fn is_eviction(&self) -> bool {
+        matches!(
+            self,
+            Self::Server {
+                code: pb::ErrorCode::Evicted,
+                ..
+            }
+        )
+    }
+
     /// Whether another server might succeed where this one failed: anything a server said or did. Its error code
     /// cannot decide this (a hostile or broken server would answer "bad request" to everything and stop the
     /// client); what fails everywhere is cut short by the failover budget and by bans. Local errors are final.

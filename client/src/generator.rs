@@ -159,6 +159,14 @@ impl Generator {
         self.local
     }
 
+    /// The positions to open a session with for a prompt of `prompt` ids and up to `max_new` generated ones: the
+    /// prompt and at most [`RESERVE_AHEAD`] of the rest. Servers then reserve what the request needs now, not the
+    /// whole context for every request that does not say how long it will be; the decode loop extends the
+    /// session (doubling) when the generation goes on.
+    pub fn reservation_for(&self, prompt: usize, max_new: usize) -> usize {
+        (prompt + max_new.min(RESERVE_AHEAD)).min(self.max_position)
+    }
+
     /// A session able to hold `max_length` positions.
     pub async fn open_session(&self, max_length: usize) -> Result<Session> {
         self.blocks.open(max_length).await
@@ -214,7 +222,7 @@ impl Generator {
         mut on_text: impl FnMut(&str) -> bool,
     ) -> Result<Completion> {
         check_fits(prompt.len(), self.max_position)?;
-        let max_length = (prompt.len() + config.max_new_tokens).min(self.max_position);
+        let max_length = self.reservation_for(prompt.len(), config.max_new_tokens);
         let mut session = self.open_session(max_length).await?;
         let result = self
             .decode(&mut session, tokenizer, prompt, config, |step| {
@@ -228,7 +236,7 @@ impl Generator {
     /// Generates the continuation of `context` on `session`, which already holds the first
     /// `session.position()` ids of `context` (0 for a fresh session): only the rest is sent. The result is the
     /// same as generating from `context` on a fresh session. `on_text` gets each completed piece of text and
-    /// returns whether to go on. Stops at the end of the generation or when the session is full.
+    /// returns whether to go on. The session is extended as the generation needs (see [`Generator::decode`]).
     pub async fn continue_in(
         &self,
         session: &mut Session,
@@ -258,7 +266,9 @@ impl Generator {
             .await
     }
 
-    /// The decode loop.
+    /// The decode loop. When the next step does not fit in the session, the session is extended: to twice its
+    /// length, at most what the generation can still need (the context and `max_new_tokens`) and the model's
+    /// context. It stops at the end of the generation or of the model's context.
     async fn decode(
         &self,
         session: &mut Session,
@@ -274,7 +284,8 @@ impl Generator {
                 context.len()
             )));
         }
-        check_fits(context.len(), session.max_length())?;
+        check_fits(context.len(), self.max_position)?;
+        let cap = (context.len() + config.max_new_tokens).min(self.max_position);
         let (bytes_before, failovers_before) = (session.bytes_on_wire(), session.failovers().len());
         let verification_before = session.verification();
         let mut generation = Generation::new(tokenizer, context, config)?;
@@ -283,9 +294,15 @@ impl Generator {
         let (mut sampled, mut steps, mut logprobs) = (vec![], vec![], vec![]);
         let mut cancelled = false;
         let mut input = context[start..].to_vec();
-        while generation.finished().is_none()
-            && session.position() + input.len() <= session.max_length()
-        {
+        while generation.finished().is_none() {
+            let needed = session.position() + input.len();
+            if needed > self.max_position {
+                break;
+            }
+            if needed > session.max_length() {
+                let grown = (2 * session.max_length()).min(cap).max(needed);
+                session.extend(grown).await?;
+            }
             let (logits, mut timing) = self.step(session, &input).await?;
             let t = Instant::now();
             let step = compute(|| generation.step(&logits))?;
@@ -319,6 +336,9 @@ impl Generator {
         })
     }
 }
+
+/// Generated positions a session is opened with beyond its prompt, at most (see [`Generator::reservation_for`]).
+pub const RESERVE_AHEAD: usize = 256;
 
 /// A context of `len` ids needs `len` positions, and at least one id.
 fn check_fits(len: usize, max_length: usize) -> Result<()> {

@@ -72,6 +72,7 @@ impl HopClient {
             start_block: client.hop.range.start as u32,
             end_block: client.hop.range.end as u32,
             max_length: max_length as u32,
+            max_batch: 1,
         });
         match client.call(open, timeout).await? {
             response::Kind::Opened(o) => {
@@ -114,11 +115,19 @@ impl HopClient {
         timeout: Duration,
     ) -> Result<HopStep> {
         let sent = to_wire(hidden, self.dtype)?;
-        let (batch, tokens, _) = hidden.dims3().map_err(petal_model::ModelError::from)?;
+        let (batch, tokens, width) = hidden.dims3().map_err(petal_model::ModelError::from)?;
+        // The server's announced step size, and never more than one frame carries.
+        let fits_frame = petal_proto::tensor::tokens_per_frame(
+            self.stream.max_frame_bytes(),
+            batch,
+            width,
+            self.dtype,
+        );
         let chunk = match self.hop.record.max_chunk_tokens as usize {
             0 => tokens,
             limit => (limit / batch.max(1)).max(1),
-        };
+        }
+        .min(fits_frame);
         if tokens <= chunk {
             return self.step_wire(sent, position, timeout).await;
         }
@@ -195,6 +204,19 @@ impl HopClient {
         })
     }
 
+    /// Raises the session's `max_length` on the server (which refuses with `CACHE_FULL` when its reservation cannot
+    /// grow, leaving the session as it was).
+    pub async fn extend(&mut self, max_length: usize, timeout: Duration) -> Result<()> {
+        let extend = request::Kind::Extend(pb::ExtendSession {
+            session_id: self.session_id,
+            max_length: max_length as u32,
+        });
+        match self.call(extend, timeout).await? {
+            response::Kind::Extended(e) if e.max_length as usize >= max_length => Ok(()),
+            _ => Err(self.protocol("expected SessionExtended")),
+        }
+    }
+
     /// Closes the session (best effort: the server also frees it when the stream ends).
     pub async fn close(mut self, timeout: Duration) {
         let close = request::Kind::Close(pb::CloseSession {
@@ -217,19 +239,33 @@ impl HopClient {
     async fn call(&mut self, kind: request::Kind, timeout: Duration) -> Result<response::Kind> {
         let peer = self.hop.record.peer_id.clone();
         let exchange = async {
-            self.stream.send(&pb::Request { kind: Some(kind) }).await?;
-            self.stream.recv::<pb::Response>().await
+            // A request too large to send is this client's own doing: no server is at fault or could do better.
+            self.stream
+                .send(&pb::Request { kind: Some(kind) })
+                .await
+                .map_err(|e| match e {
+                    petal_proto::FrameError::TooLarge { len, max } => ClientError::Request(
+                        format!("a request of {len} bytes exceeds the frame limit of {max} bytes"),
+                    ),
+                    other => ClientError::Protocol {
+                        peer: peer.clone(),
+                        reason: other.to_string(),
+                    },
+                })?;
+            self.stream
+                .recv::<pb::Response>()
+                .await
+                .map_err(|e| ClientError::Protocol {
+                    peer: peer.clone(),
+                    reason: e.to_string(),
+                })
         };
         let reply = tokio::time::timeout(timeout, exchange)
             .await
             .map_err(|_| ClientError::Timeout {
                 peer: peer.clone(),
                 seconds: timeout.as_secs_f64(),
-            })?
-            .map_err(|e| ClientError::Protocol {
-                peer: peer.clone(),
-                reason: e.to_string(),
-            })?;
+            })??;
         match reply.and_then(|r| r.kind) {
             Some(response::Kind::Error(e)) => Err(ClientError::Server {
                 peer,

@@ -1,6 +1,7 @@
 //! What a node's stream handlers share: the span and the scheduler that batches its sessions' steps, the model id,
 //! admission control, limits, the announced record and the metrics.
-use crate::admission::{Admission, Usage};
+use crate::admission::{Admission, PeerUsage, Usage};
+use crate::limits::{PeerLimits, ServeLimits};
 use crate::metrics::{BuildInfo, Metrics, MetricsSource};
 use crate::Result;
 use petal_model::compute::wire::wire_dtype;
@@ -18,8 +19,12 @@ pub struct ServerContext {
     pub model_id: String,
     pub wire_dtype: pb::WireDType,
     pub admission: Arc<Admission>,
+    /// Per-peer receive pools, frame deadlines, cheap request rates.
+    pub peers: PeerLimits,
     pub session_timeout: Duration,
     pub max_frame_bytes: usize,
+    /// Most working memory one step may need (0: no limit).
+    pub max_step_bytes: u64,
     /// Most positions (batch x tokens) one step may carry, as the record announces (0: no limit).
     pub max_chunk_tokens: usize,
     record: Mutex<pb::ServerRecord>,
@@ -34,8 +39,7 @@ impl ServerContext {
         span: Arc<BlockSpan>,
         model_id: String,
         admission: Arc<Admission>,
-        session_timeout: Duration,
-        max_frame_bytes: usize,
+        limits: ServeLimits,
         record: pb::ServerRecord,
     ) -> Result<Self> {
         let metrics = Metrics::new(&BuildInfo {
@@ -53,8 +57,10 @@ impl ServerContext {
             scheduler,
             model_id,
             admission,
-            session_timeout,
-            max_frame_bytes,
+            peers: PeerLimits::new(limits),
+            session_timeout: limits.session_timeout,
+            max_frame_bytes: limits.max_frame_bytes,
+            max_step_bytes: limits.max_step_bytes,
             max_chunk_tokens: record.max_chunk_tokens as usize,
             record: Mutex::new(record),
             metrics,
@@ -92,6 +98,14 @@ impl MetricsSource for ServerContext {
 
     fn usage(&self) -> Usage {
         self.admission.usage()
+    }
+
+    fn peers(&self) -> Vec<(petal_p2p::PeerId, PeerUsage)> {
+        self.admission.peers()
+    }
+
+    fn evictions(&self) -> u64 {
+        self.admission.evictions()
     }
 }
 

@@ -26,6 +26,10 @@ pub enum NodeError {
     /// with no block).
     #[error("{0}")]
     Devices(String),
+    /// Limits that cannot work together (a receive buffer smaller than a frame, a step memory budget smaller than
+    /// one step at full context).
+    #[error("{0}")]
+    Limits(String),
     /// The `--metrics-listen` address cannot be bound (taken port, bad interface).
     #[error("cannot listen for metrics on {addr} (--metrics-listen)")]
     MetricsBind {

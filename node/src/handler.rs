@@ -2,39 +2,35 @@
 //!
 //! Sessions belong to the stream that opened them, so another peer can never step or close them, and every way a
 //! stream ends (close, idle timeout, disconnect, protocol violation) drops its sessions and their cache budget.
+//! Admission may also evict a session for another peer ([`crate::admission`]): the stream is woken and drops its
+//! cache at once, and the session's next use is answered `EVICTED`.
 use crate::admission::Reservation;
 use crate::context::ServerContext;
+use petal_model::compute::block::step_working_bytes;
 use petal_model::compute::wire::{from_wire, to_wire};
 use petal_model::{BlockRange, ModelError, SchedulerError, SessionStep, SpanCache};
 use petal_p2p::{PeerId, Stream};
 use petal_proto::pb::{self, request, response, ErrorCode};
 use petal_proto::{FrameError, FramedStream, PROTOCOL_VERSION};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
+use tokio::sync::Notify;
 
 /// Sessions one stream may hold at once: a client needs one per hop it routes through this server.
 const MAX_SESSIONS_PER_STREAM: usize = 16;
-/// Largest batch a step may carry.
+/// Largest batch a session may ask for.
 const MAX_BATCH: usize = 16;
+/// Evicted session ids a stream remembers, to answer `EVICTED` rather than `UNKNOWN_SESSION`.
+const REMEMBERED_EVICTIONS: usize = MAX_SESSIONS_PER_STREAM;
 
 struct Session {
     /// `None` only while a step runs on the span scheduler.
     cache: Option<SpanCache>,
+    /// Most sequences a step may carry; the reservation is this many times `max_length`.
+    max_batch: usize,
     last_used: Instant,
-    _reservation: Reservation,
-}
-
-/// Drops sessions unused for longer than the timeout, even on a stream that stays busy with other requests.
-fn evict_idle(sessions: &mut HashMap<u64, Session>, timeout: std::time::Duration) {
-    let before = sessions.len();
-    sessions.retain(|_, s| s.last_used.elapsed() <= timeout);
-    if sessions.len() < before {
-        tracing::info!(
-            evicted = before - sessions.len(),
-            "sessions idle past the session timeout evicted"
-        );
-    }
+    reservation: Reservation,
 }
 
 pub type Reply = response::Kind;
@@ -46,20 +42,46 @@ fn error(code: ErrorCode, message: impl Into<String>) -> Reply {
     })
 }
 
+/// A refusal counted in the node's metrics under `reason`.
+fn refuse(ctx: &ServerContext, reason: &str, code: ErrorCode, message: impl Into<String>) -> Reply {
+    ctx.metrics.refused(reason);
+    error(code, message)
+}
+
 /// The sessions of one stream and the request state machine over them, apart from any I/O (so it can be driven
 /// directly by tests and the fuzzer).
-#[derive(Default)]
 pub struct StreamState {
+    peer: PeerId,
     sessions: HashMap<u64, Session>,
+    /// Notified by admission when it evicts one of these sessions.
+    wake: Arc<Notify>,
+    evicted: VecDeque<u64>,
 }
 
 impl StreamState {
+    /// The state of a stream opened by `peer` (whose fair share admission counts this stream's sessions in).
+    pub fn new(peer: PeerId) -> Self {
+        Self {
+            peer,
+            sessions: HashMap::new(),
+            wake: Arc::new(Notify::new()),
+            evicted: VecDeque::new(),
+        }
+    }
+
     /// Answers one request. Never panics, whatever the request.
     pub async fn handle(&mut self, request: pb::Request, ctx: &Arc<ServerContext>) -> Reply {
+        self.drop_evicted();
         match request.kind {
+            Some(request::Kind::Info(_)) if !ctx.peers.allow_cheap(self.peer) => refuse(
+                ctx,
+                "rate_limited",
+                ErrorCode::RateLimited,
+                "too many Info requests from this peer: slow down",
+            ),
             Some(kind) => {
-                evict_idle(&mut self.sessions, ctx.session_timeout);
-                handle(kind, &mut self.sessions, ctx).await
+                self.evict_idle(ctx.session_timeout);
+                handle(kind, self, ctx).await
             }
             None => error(ErrorCode::BadRequest, "empty or unknown request type"),
         }
@@ -68,15 +90,77 @@ impl StreamState {
     pub fn open_sessions(&self) -> usize {
         self.sessions.len()
     }
+
+    /// What admission notifies when it evicts one of this stream's sessions.
+    pub fn wake(&self) -> Arc<Notify> {
+        self.wake.clone()
+    }
+
+    /// Drops the sessions admission evicted (their positions are already free; this frees their caches).
+    pub fn drop_evicted(&mut self) {
+        let gone: Vec<u64> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| s.reservation.is_evicted())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            self.sessions.remove(&id);
+            if self.evicted.len() == REMEMBERED_EVICTIONS {
+                self.evicted.pop_front();
+            }
+            self.evicted.push_back(id);
+            tracing::info!(peer = %self.peer, session = id, "session evicted for another peer");
+        }
+    }
+
+    /// Drops sessions unused for longer than the timeout, even on a stream that stays busy with other requests.
+    fn evict_idle(&mut self, timeout: std::time::Duration) {
+        let before = self.sessions.len();
+        self.sessions
+            .retain(|_, s| s.last_used.elapsed() <= timeout);
+        if self.sessions.len() < before {
+            tracing::info!(
+                evicted = before - self.sessions.len(),
+                "sessions idle past the session timeout evicted"
+            );
+        }
+    }
+
+    /// The error for a session id this stream does not hold.
+    fn missing(&self, session_id: u64) -> Reply {
+        if self.evicted.contains(&session_id) {
+            error(
+                ErrorCode::Evicted,
+                format!("session {session_id} was evicted for another peer's: open a new one and replay"),
+            )
+        } else {
+            error(
+                ErrorCode::UnknownSession,
+                format!("no session {session_id} on this stream"),
+            )
+        }
+    }
 }
 
 /// Serves one stream until it ends; never panics on peer input.
 pub async fn serve_stream(stream: Stream, peer: PeerId, ctx: Arc<ServerContext>) {
-    let mut framed = FramedStream::new(stream, ctx.max_frame_bytes);
-    let mut state = StreamState::default();
+    let mut framed =
+        FramedStream::new(stream, ctx.max_frame_bytes).with_limits(ctx.peers.recv_limits(peer));
+    let mut state = StreamState::new(peer);
+    let wake = state.wake();
+    // Whether the peer misbehaved mid-frame: then the stream is reset rather than closed, since a graceful close
+    // would leave a peer blocked on writing the rest of its frame waiting for credit that never comes.
+    let mut reset = false;
     loop {
-        let received =
-            tokio::time::timeout(ctx.session_timeout, framed.recv::<pb::Request>()).await;
+        // `recv` keeps a partly read frame in `framed`, so an eviction may interrupt it.
+        let received = tokio::select! {
+            _ = wake.notified() => {
+                state.drop_evicted();
+                continue;
+            }
+            received = tokio::time::timeout(ctx.session_timeout, framed.recv::<pb::Request>()) => received,
+        };
         let reply = match received {
             Err(_) => {
                 tracing::info!(%peer, sessions = state.open_sessions(), "stream idle past the session timeout; evicting");
@@ -87,15 +171,37 @@ pub async fn serve_stream(stream: Stream, peer: PeerId, ctx: Arc<ServerContext>)
             Ok(Err(e)) => {
                 tracing::debug!(%peer, error = %e, "bad frame");
                 match &e {
-                    // A whole frame that did not decode: answer and keep serving.
-                    FrameError::Decode(_) => error(ErrorCode::BadRequest, e.to_string()),
+                    // A whole frame that did not decode: answer and keep serving, within the peer's rate.
+                    FrameError::Decode(_) if ctx.peers.allow_cheap(peer) => {
+                        error(ErrorCode::BadRequest, e.to_string())
+                    }
+                    FrameError::Decode(_) => {
+                        let reply = refuse(
+                            &ctx,
+                            "rate_limited",
+                            ErrorCode::RateLimited,
+                            "too many undecodable frames from this peer; closing the stream",
+                        );
+                        let _ = framed.send(&pb::Response { kind: Some(reply) }).await;
+                        reset = true;
+                        break;
+                    }
                     // The stream is out of sync after an oversized prefix: answer, then close.
                     FrameError::TooLarge { .. } => {
-                        let _ = framed
-                            .send(&pb::Response {
-                                kind: Some(error(ErrorCode::FrameTooLarge, e.to_string())),
-                            })
-                            .await;
+                        let reply = refuse(
+                            &ctx,
+                            "frame_too_large",
+                            ErrorCode::FrameTooLarge,
+                            e.to_string(),
+                        );
+                        let _ = framed.send(&pb::Response { kind: Some(reply) }).await;
+                        reset = true;
+                        break;
+                    }
+                    FrameError::Timeout { .. } => {
+                        ctx.metrics.refused("frame_timeout");
+                        tracing::info!(%peer, error = %e, "resetting a stream that did not deliver its frame in time");
+                        reset = true;
                         break;
                     }
                     _ => break,
@@ -107,36 +213,30 @@ pub async fn serve_stream(stream: Stream, peer: PeerId, ctx: Arc<ServerContext>)
             break;
         }
     }
-    framed.close().await;
+    if !reset {
+        framed.close().await;
+    }
+    // Dropping a stream that is not closed resets it.
+    drop(framed);
     tracing::debug!(%peer, sessions = state.open_sessions(), "stream ended; sessions freed");
 }
 
-async fn handle(
-    kind: request::Kind,
-    sessions: &mut HashMap<u64, Session>,
-    ctx: &Arc<ServerContext>,
-) -> Reply {
+async fn handle(kind: request::Kind, state: &mut StreamState, ctx: &Arc<ServerContext>) -> Reply {
     match kind {
-        request::Kind::Open(open) => open_session(open, sessions, ctx),
-        request::Kind::Step(step) => run_step(step, sessions, ctx).await,
-        request::Kind::Close(close) => match sessions.remove(&close.session_id) {
+        request::Kind::Open(open) => open_session(open, state, ctx),
+        request::Kind::Step(step) => run_step(step, state, ctx).await,
+        request::Kind::Extend(extend) => extend_session(extend, state, ctx),
+        request::Kind::Close(close) => match state.sessions.remove(&close.session_id) {
             Some(_) => response::Kind::Closed(pb::SessionClosed {
                 session_id: close.session_id,
             }),
-            None => error(
-                ErrorCode::UnknownSession,
-                format!("no session {} on this stream", close.session_id),
-            ),
+            None => state.missing(close.session_id),
         },
         request::Kind::Info(_) => response::Kind::Info(ctx.record()),
     }
 }
 
-fn open_session(
-    open: pb::OpenSession,
-    sessions: &mut HashMap<u64, Session>,
-    ctx: &Arc<ServerContext>,
-) -> Reply {
+fn open_session(open: pb::OpenSession, state: &mut StreamState, ctx: &Arc<ServerContext>) -> Reply {
     if open.protocol_version != PROTOCOL_VERSION {
         return error(
             ErrorCode::VersionMismatch,
@@ -170,30 +270,42 @@ fn open_session(
             ),
         );
     }
-    if sessions.len() >= MAX_SESSIONS_PER_STREAM {
+    let max_batch = (open.max_batch as usize).max(1);
+    if max_batch > MAX_BATCH {
         return error(
+            ErrorCode::BadRequest,
+            format!("max_batch {max_batch} must be in 1..={MAX_BATCH}"),
+        );
+    }
+    if state.sessions.len() >= MAX_SESSIONS_PER_STREAM {
+        return refuse(
+            ctx,
+            "busy",
             ErrorCode::Busy,
             format!("at most {MAX_SESSIONS_PER_STREAM} sessions per stream"),
         );
     }
-    let reservation = match ctx.admission.admit(max_length) {
+    // Every sequence of a batch has its own keys and values.
+    let positions = max_batch * max_length;
+    let reservation = match ctx.admission.admit(state.peer, positions, &state.wake) {
         Ok(r) => r,
-        Err(refusal) => return error(refusal.code(), refusal.to_string()),
+        Err(refusal) => return refuse(ctx, refusal.reason(), refusal.code(), refusal.to_string()),
     };
     let cache = match ctx.span.new_cache(range, max_length) {
         Ok(c) => c,
         Err(e) => return error(ErrorCode::BadRequest, e.to_string()),
     };
     let mut session_id = rand::random::<u64>();
-    while session_id == 0 || sessions.contains_key(&session_id) {
+    while session_id == 0 || state.sessions.contains_key(&session_id) {
         session_id = rand::random();
     }
-    sessions.insert(
+    state.sessions.insert(
         session_id,
         Session {
             cache: Some(cache),
+            max_batch,
             last_used: Instant::now(),
-            _reservation: reservation,
+            reservation,
         },
     );
     response::Kind::Opened(pb::SessionOpened {
@@ -205,18 +317,46 @@ fn open_session(
     })
 }
 
-async fn run_step(
-    step: pb::Step,
-    sessions: &mut HashMap<u64, Session>,
+/// Raises a session's `max_length`: its reservation grows by the same rules as a new session's, or nothing changes.
+fn extend_session(
+    extend: pb::ExtendSession,
+    state: &mut StreamState,
     ctx: &Arc<ServerContext>,
 ) -> Reply {
-    let Some(session) = sessions.get_mut(&step.session_id) else {
-        return error(
-            ErrorCode::UnknownSession,
-            format!("no session {} on this stream", step.session_id),
-        );
+    let Some(session) = state.sessions.get_mut(&extend.session_id) else {
+        return state.missing(extend.session_id);
     };
     session.last_used = Instant::now();
+    let Some(cache) = session.cache.as_mut() else {
+        return error(ErrorCode::Internal, "session is busy");
+    };
+    let max_length = extend.max_length as usize;
+    let context = ctx.span.spec().max_position;
+    if max_length < cache.max_length() || max_length > context {
+        return error(
+            ErrorCode::BadRequest,
+            format!(
+                "max_length {max_length} must be in {}..={context}",
+                cache.max_length()
+            ),
+        );
+    }
+    if let Err(refusal) = session.reservation.grow_to(session.max_batch * max_length) {
+        return refuse(ctx, refusal.reason(), refusal.code(), refusal.to_string());
+    }
+    cache.extend(max_length);
+    response::Kind::Extended(pb::SessionExtended {
+        session_id: extend.session_id,
+        max_length: max_length as u32,
+    })
+}
+
+async fn run_step(step: pb::Step, state: &mut StreamState, ctx: &Arc<ServerContext>) -> Reply {
+    let Some(session) = state.sessions.get_mut(&step.session_id) else {
+        return state.missing(step.session_id);
+    };
+    session.last_used = Instant::now();
+    session.reservation.touch();
     let Some(cache) = session.cache.as_ref() else {
         return error(ErrorCode::Internal, "session is busy");
     };
@@ -224,6 +364,7 @@ async fn run_step(
         return error(ErrorCode::BadRequest, "step without hidden states");
     };
     let hidden_size = ctx.span.spec().hidden_size;
+    // A loose bound before the precise checks below (batch, positions), which give the better error.
     let max_elements = MAX_BATCH * cache.max_length() * hidden_size;
     let (dtype, shape) = match petal_proto::tensor::validate(hidden, max_elements) {
         Ok(v) => v,
@@ -239,21 +380,32 @@ async fn run_step(
             ),
         );
     }
-    if shape.len() != 3 || shape[2] != hidden_size || shape[0] > MAX_BATCH {
+    if shape.len() != 3 || shape[2] != hidden_size {
         return error(
             ErrorCode::ShapeMismatch,
-            format!("hidden states of shape {shape:?}, expected [batch<={MAX_BATCH}, tokens, {hidden_size}]"),
+            format!("hidden states of shape {shape:?}, expected [batch, tokens, {hidden_size}]"),
         );
     }
     let positions = shape[0] * shape[1];
     if ctx.max_chunk_tokens > 0 && positions > ctx.max_chunk_tokens {
         // Refused before any compute: a step's memory grows with its positions (attention scores with their
         // square), and this bound is what the node was sized for.
-        return error(
+        return refuse(
+            ctx,
+            "step_too_large",
             ErrorCode::StepTooLarge,
             format!(
                 "a step of {positions} positions (batch {} x {} tokens); this server takes at most {} per step: split the prompt",
                 shape[0], shape[1], ctx.max_chunk_tokens
+            ),
+        );
+    }
+    if shape[0] > session.max_batch {
+        return error(
+            ErrorCode::ShapeMismatch,
+            format!(
+                "a batch of {} sequences; the session was opened for at most {}",
+                shape[0], session.max_batch
             ),
         );
     }
@@ -269,6 +421,20 @@ async fn run_step(
                 shape[1],
                 cache.position(),
                 cache.max_length()
+            ),
+        );
+    }
+    let working = step_working_bytes(ctx.span.spec(), shape[0], shape[1], position + shape[1]);
+    if ctx.max_step_bytes > 0 && working > ctx.max_step_bytes {
+        return refuse(
+            ctx,
+            "step_memory",
+            ErrorCode::StepTooLarge,
+            format!(
+                "this step would need about {} MiB of working memory at {} positions of context; this server allows {} MiB: send fewer tokens per step",
+                working >> 20,
+                position + shape[1],
+                ctx.max_step_bytes >> 20
             ),
         );
     }
@@ -292,12 +458,13 @@ async fn run_step(
         .await;
     let (out, batch) = match stepped {
         Ok(done) => {
+            session.reservation.touch();
             session.cache = Some(done.cache);
             (done.output, done.batch)
         }
         Err(e) => {
             // The scheduler's thread is gone and the cache with it.
-            sessions.remove(&step.session_id);
+            state.sessions.remove(&step.session_id);
             return error(ErrorCode::Internal, format!("step failed: {e}"));
         }
     };
@@ -316,7 +483,7 @@ async fn run_step(
         )) => error(ErrorCode::BadPosition, e.to_string()),
         Err(e) => {
             // The cache may be half-updated: the session cannot continue.
-            sessions.remove(&step.session_id);
+            state.sessions.remove(&step.session_id);
             tracing::warn!(error = %e, "step failed; session dropped");
             error(ErrorCode::Internal, e.to_string())
         }

@@ -9,6 +9,9 @@
 //! | `petal_batch_sessions` | histogram | steps (sessions) per batched forward; `_count` batches, `_sum` steps |
 //! | `petal_sessions_open` | gauge | sessions holding a cache reservation |
 //! | `petal_kv_cache_tokens_used` / `_free` / `_total` | gauge | KV cache budget (`--cache-tokens`) in positions |
+//! | `petal_refusals_total` | counter | requests refused, label `reason` (`cache_full`, `busy`, `peer_busy`, `step_too_large`, `step_memory`, `rate_limited`, `frame_too_large`, `frame_timeout`, `shutting_down`) |
+//! | `petal_sessions_evicted_total` | counter | idle sessions evicted for a peer below its fair share |
+//! | `petal_peer_sessions` / `petal_peer_cache_tokens` | gauge | per peer holding sessions (label `peer`): its sessions and reserved positions |
 //! | `petal_build_info` | gauge (always 1) | labels `version`, `model`, `model_id`, `blocks` |
 //!
 //! Counters and the step histogram are updated by [`Metrics::record_step`] after each step, the batch histogram by
@@ -17,7 +20,7 @@
 //!
 //! This module knows nothing of the server: the HTTP endpoint renders any [`MetricsSource`], which the server
 //! context implements.
-use crate::admission::Usage;
+use crate::admission::{PeerUsage, Usage};
 use crate::{NodeError, Result};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
@@ -69,6 +72,10 @@ pub struct Metrics {
     cache_used: Gauge,
     cache_free: Gauge,
     cache_total: Gauge,
+    refusals: Family<Vec<(String, String)>, Counter>,
+    evicted: Counter,
+    peer_sessions: Family<Vec<(String, String)>, Gauge>,
+    peer_tokens: Family<Vec<(String, String)>, Gauge>,
 }
 
 impl Metrics {
@@ -121,6 +128,32 @@ impl Metrics {
             "KV cache budget in positions (--cache-tokens)",
             cache_total.clone(),
         );
+        let refusals = Family::<Vec<(String, String)>, Counter>::default();
+        registry.register(
+            "petal_refusals",
+            "Requests refused, by reason",
+            refusals.clone(),
+        );
+        let evicted = Counter::default();
+        registry.register(
+            "petal_sessions_evicted",
+            "Idle sessions evicted to make room for a peer below its fair share",
+            evicted.clone(),
+        );
+        let (peer_sessions, peer_tokens) = (
+            Family::<Vec<(String, String)>, Gauge>::default(),
+            Family::<Vec<(String, String)>, Gauge>::default(),
+        );
+        registry.register(
+            "petal_peer_sessions",
+            "Sessions held, per peer holding any",
+            peer_sessions.clone(),
+        );
+        registry.register(
+            "petal_peer_cache_tokens",
+            "KV cache positions reserved, per peer holding any",
+            peer_tokens.clone(),
+        );
         let build_info = Family::<Vec<(String, String)>, Gauge>::default();
         build_info
             .get_or_create(&vec![
@@ -145,7 +178,35 @@ impl Metrics {
             cache_used,
             cache_free,
             cache_total,
+            refusals,
+            evicted,
+            peer_sessions,
+            peer_tokens,
         }
+    }
+
+    /// One request refused for `reason` (see the table above).
+    pub fn refused(&self, reason: &str) {
+        self.refusals
+            .get_or_create(&vec![("reason".into(), reason.to_string())])
+            .inc();
+    }
+
+    /// Sets the per-peer gauges to exactly the peers holding sessions now, and the eviction count.
+    pub fn set_peers(&self, peers: &[(petal_p2p::PeerId, PeerUsage)], evictions: u64) {
+        self.peer_sessions.clear();
+        self.peer_tokens.clear();
+        for (peer, u) in peers {
+            let label = vec![("peer".to_string(), peer.to_string())];
+            self.peer_sessions
+                .get_or_create(&label)
+                .set(gauge_value(u.sessions));
+            self.peer_tokens
+                .get_or_create(&label)
+                .set(gauge_value(u.tokens));
+        }
+        self.evicted
+            .inc_by(evictions.saturating_sub(self.evicted.get()));
     }
 
     /// One step of `tokens` positions that took `compute_micros` of compute.
@@ -188,12 +249,17 @@ fn gauge_value(v: usize) -> i64 {
 pub trait MetricsSource: Send + Sync + 'static {
     fn metrics(&self) -> &Metrics;
     fn usage(&self) -> Usage;
+    /// What each peer holding sessions holds.
+    fn peers(&self) -> Vec<(petal_p2p::PeerId, PeerUsage)>;
+    /// Sessions evicted for other peers since start.
+    fn evictions(&self) -> u64;
 }
 
 /// The node's metrics page, with the gauges read from its admission control now.
 pub fn render(source: &dyn MetricsSource) -> String {
     let metrics = source.metrics();
     metrics.set_usage(source.usage());
+    metrics.set_peers(&source.peers(), source.evictions());
     metrics.render()
 }
 

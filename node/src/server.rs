@@ -1,6 +1,7 @@
 //! A running node: the span it serves, its network, its announcer and the stream handlers.
-use crate::admission::{Admission, Usage};
+use crate::admission::{Admission, AdmissionLimits, Usage};
 use crate::context::ServerContext;
+use crate::limits::ServeLimits;
 use crate::{devices, handler, metrics, NodeError, Result};
 use candle_core::DType;
 use petal_model::compute::placement::DeviceSpec;
@@ -41,12 +42,16 @@ pub struct NodeConfig {
     /// The private swarm's key (`--swarm-key`); `None`: an open swarm.
     pub swarm_key: Option<PreSharedKey>,
     pub public_name: String,
-    /// KV cache budget in token positions across all sessions.
+    /// KV cache budget in positions (batch x tokens) across all sessions.
     pub cache_tokens: usize,
     pub max_sessions: usize,
-    pub session_timeout: Duration,
+    /// Most sessions one peer may hold (`--max-sessions-per-peer`).
+    pub max_sessions_per_peer: usize,
+    /// A session idle this long may be evicted for a peer below its fair share (`--reclaim-idle`).
+    pub reclaim_idle: Duration,
+    /// Timeouts and per-peer bounds on frames, step memory and cheap requests.
+    pub limits: ServeLimits,
     pub record_ttl: Duration,
-    pub max_frame_bytes: usize,
     /// Most positions (batch x tokens) one step may carry (`--max-chunk-tokens`), announced so clients split
     /// long prompts: it bounds a step's activations and attention scores, whatever the prompt's length.
     pub max_chunk_tokens: usize,
@@ -74,9 +79,10 @@ impl NodeConfig {
             public_name: String::new(),
             cache_tokens: 16384,
             max_sessions: 64,
-            session_timeout: Duration::from_secs(300),
+            max_sessions_per_peer: 32,
+            reclaim_idle: Duration::from_secs(30),
+            limits: ServeLimits::default(),
             record_ttl: petal_p2p::DEFAULT_RECORD_TTL,
-            max_frame_bytes: petal_proto::DEFAULT_MAX_FRAME_BYTES,
             max_chunk_tokens: DEFAULT_MAX_CHUNK_TOKENS,
             metrics_listen: None,
             progress: None,
@@ -105,6 +111,7 @@ pub struct Node {
 impl Node {
     /// Loads the span, joins the swarm, starts serving and announcing. Bad models, ranges and devices fail here.
     pub async fn start(config: NodeConfig) -> Result<Node> {
+        config.limits.validate().map_err(NodeError::Limits)?;
         // Bound first, so a taken port fails before minutes of loading.
         let metrics_listener = match config.metrics_listen {
             Some(addr) => Some(metrics::bind(addr).await?),
@@ -149,7 +156,13 @@ impl Node {
         }
 
         let spec = source.spec();
-        let admission = Admission::new(config.cache_tokens, config.max_sessions);
+        let admission = Admission::new(AdmissionLimits {
+            cache_tokens: config.cache_tokens,
+            max_sessions: config.max_sessions,
+            max_sessions_per_peer: config.max_sessions_per_peer,
+            reclaim_idle: config.reclaim_idle,
+        });
+        let max_chunk_tokens = fit_chunk(spec, config.max_chunk_tokens, &config.limits, wire)?;
         let record = pb::ServerRecord {
             record_version: petal_proto::RECORD_VERSION,
             model_id: model_id.clone(),
@@ -170,15 +183,14 @@ impl Node {
             public_name: config.public_name.clone(),
             devices: device_infos,
             block_hashes,
-            max_chunk_tokens: u32::try_from(config.max_chunk_tokens).unwrap_or(u32::MAX),
+            max_chunk_tokens: u32::try_from(max_chunk_tokens).unwrap_or(u32::MAX),
             ..Default::default()
         };
         let ctx = Arc::new(ServerContext::new(
             span,
             model_id,
             admission.clone(),
-            config.session_timeout,
-            config.max_frame_bytes,
+            config.limits,
             record,
         )?);
         let (record_tx, record_rx) = watch::channel(ctx.record());
@@ -268,6 +280,56 @@ impl Node {
         self.net.shutdown().await;
         tracing::info!("node stopped");
     }
+}
+
+/// The steps the node announces: at most `asked` positions, and few enough that a step at the end of the model's
+/// context fits in `max_step_bytes` of working memory, so a client that follows the record is never refused for
+/// memory. A budget too small for even one position at full context is a start-up error.
+fn fit_chunk(
+    spec: &petal_model::ModelSpec,
+    asked: usize,
+    limits: &ServeLimits,
+    wire: pb::WireDType,
+) -> Result<usize> {
+    use petal_model::compute::block::step_working_bytes;
+    let max_step_bytes = limits.max_step_bytes;
+    // A step's hidden states must also fit one frame, or the client could not send it.
+    let fits_frame =
+        petal_proto::tensor::tokens_per_frame(limits.max_frame_bytes, 1, spec.hidden_size, wire);
+    let asked = if asked == 0 {
+        fits_frame
+    } else {
+        asked.min(fits_frame)
+    };
+    let fits = |n: usize| {
+        max_step_bytes == 0 || step_working_bytes(spec, 1, n, spec.max_position) <= max_step_bytes
+    };
+    if !fits(1) {
+        return Err(NodeError::Limits(format!(
+            "--max-step-memory {} MiB cannot hold one step at the model's full context of {} positions (it needs {} MiB)",
+            max_step_bytes >> 20,
+            spec.max_position,
+            step_working_bytes(spec, 1, 1, spec.max_position) >> 20
+        )));
+    }
+    // Working memory grows with the step's tokens: the largest that fits, by bisection.
+    let (mut lo, mut hi) = (1, asked.max(1));
+    while lo < hi {
+        let mid = (lo + hi).div_ceil(2);
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    if lo < asked {
+        tracing::info!(
+            asked,
+            announced = lo,
+            "steps limited further so that one at full context fits --max-step-memory"
+        );
+    }
+    Ok(lo)
 }
 
 /// Opens the devices and the model, checks the range and loads the span (on the blocking pool), returning the

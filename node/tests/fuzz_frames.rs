@@ -7,6 +7,7 @@ mod common;
 
 use petal_node::handler::StreamState;
 use petal_node::ServerContext;
+use petal_p2p::PeerId;
 use petal_proto::frame::decode_frame;
 use petal_proto::pb::{self, request};
 use petal_proto::PROTOCOL_VERSION;
@@ -117,7 +118,7 @@ async fn corpus_and_mutations_never_break_the_server() {
     let (mut executions, mut requests) = (0usize, 0usize);
     for file in &files {
         let seed = std::fs::read(file).unwrap();
-        let mut state = StreamState::default();
+        let mut state = StreamState::new(PeerId::random());
         requests += drive(&seed, &mut state, &ctx).await;
         executions += 1;
         for _ in 0..MUTATIONS_PER_FILE {
@@ -156,6 +157,7 @@ fn write_corpus() {
             start_block: start,
             end_block: end,
             max_length,
+            max_batch: 1,
         }))
     };
     let step = |id: u64, position, tokens: usize, dtype: pb::WireDType, value: f32| {

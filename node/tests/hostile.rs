@@ -2,11 +2,14 @@
 //! typed error, other sessions keep working, and nothing leaks.
 mod common;
 
+use common::{code, opened};
+
 use candle_core::{DType, Device, Tensor};
 use petal_model::compute::wire::to_wire;
 use petal_model::BlockRange;
-use petal_node::handler::{Reply, StreamState};
+use petal_node::handler::StreamState;
 use petal_node::ServerContext;
+use petal_p2p::PeerId;
 use petal_proto::pb::{self, request, response, ErrorCode};
 use std::sync::Arc;
 
@@ -41,24 +44,10 @@ fn hidden(tokens: usize, value: f32) -> pb::Tensor {
     to_wire(&t, pb::WireDType::F32).unwrap()
 }
 
-fn code(reply: &Reply) -> Option<ErrorCode> {
-    match reply {
-        response::Kind::Error(e) => ErrorCode::try_from(e.code).ok(),
-        _ => None,
-    }
-}
-
-fn opened(reply: Reply) -> u64 {
-    match reply {
-        response::Kind::Opened(o) => o.session_id,
-        other => panic!("expected SessionOpened, got {other:?}"),
-    }
-}
-
 #[tokio::test]
 async fn every_bad_request_gets_its_typed_error_and_the_session_survives() {
     let ctx = context(1024, 8);
-    let mut state = StreamState::default();
+    let mut state = StreamState::new(PeerId::random());
     let id = opened(state.handle(open(&ctx, 0, 5, 16), &ctx).await);
 
     let mut bad_open = open(&ctx, 0, 5, 16);
@@ -180,8 +169,8 @@ async fn every_bad_request_gets_its_typed_error_and_the_session_survives() {
 #[tokio::test]
 async fn another_streams_session_is_unknown() {
     let ctx = context(1024, 8);
-    let mut owner = StreamState::default();
-    let mut intruder = StreamState::default();
+    let mut owner = StreamState::new(PeerId::random());
+    let mut intruder = StreamState::new(PeerId::random());
     let id = opened(owner.handle(open(&ctx, 0, 5, 8), &ctx).await);
     let reply = intruder.handle(step(id, 0, hidden(1, 0.5)), &ctx).await;
     assert_eq!(code(&reply), Some(ErrorCode::UnknownSession));
@@ -202,7 +191,7 @@ async fn another_streams_session_is_unknown() {
 async fn cache_budget_refuses_then_admits() {
     // Room for two sessions of 32 positions.
     let ctx = context(64, 8);
-    let mut state = StreamState::default();
+    let mut state = StreamState::new(PeerId::random());
     let a = opened(state.handle(open(&ctx, 0, 5, 32), &ctx).await);
     let _b = opened(state.handle(open(&ctx, 0, 5, 32), &ctx).await);
     let third = state.handle(open(&ctx, 0, 5, 32), &ctx).await;
@@ -224,7 +213,7 @@ async fn cache_budget_refuses_then_admits() {
 #[tokio::test]
 async fn session_limit_is_busy() {
     let ctx = context(1024, 1);
-    let mut state = StreamState::default();
+    let mut state = StreamState::new(PeerId::random());
     opened(state.handle(open(&ctx, 0, 5, 8), &ctx).await);
     assert_eq!(
         code(&state.handle(open(&ctx, 0, 5, 8), &ctx).await),
@@ -246,7 +235,7 @@ fn rss() -> usize {
 #[tokio::test]
 async fn bad_requests_do_not_grow_memory() {
     let ctx = context(1024, 8);
-    let mut state = StreamState::default();
+    let mut state = StreamState::new(PeerId::random());
     let id = opened(state.handle(open(&ctx, 0, 5, 16), &ctx).await);
     let bad = || step(id, 0, hidden(1, f32::NAN));
     for _ in 0..200 {
@@ -380,7 +369,7 @@ mod fuzz {
             let ctx = context(64, 3);
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             rt.block_on(async {
-                let mut state = StreamState::default();
+                let mut state = StreamState::new(PeerId::random());
                 let mut ids = vec![];
                 for op in &ops {
                     let reply = state.handle(request(op, &ctx, &ids), &ctx).await;

@@ -3,11 +3,14 @@
 //! `--metrics-listen`.
 mod common;
 
+use common::{opened, sample};
+
 use candle_core::{Device, Tensor};
 use petal_model::compute::wire::to_wire;
 use petal_model::BlockRange;
 use petal_node::handler::{Reply, StreamState};
 use petal_node::{metrics, Node, NodeConfig, ServerContext};
+use petal_p2p::PeerId;
 use petal_proto::pb::{self, request, response};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -44,13 +47,6 @@ fn step(session_id: u64, position: u32, tokens: usize) -> pb::Request {
 fn close(session_id: u64) -> pb::Request {
     pb::Request {
         kind: Some(request::Kind::Close(pb::CloseSession { session_id })),
-    }
-}
-
-fn opened(reply: Reply) -> u64 {
-    match reply {
-        response::Kind::Opened(o) => o.session_id,
-        other => panic!("expected SessionOpened, got {other:?}"),
     }
 }
 
@@ -93,17 +89,6 @@ async fn get(addr: SocketAddr, path: &str) -> (u16, String, String) {
     (status, content_type, body.to_string())
 }
 
-/// The value of the sample whose name (with labels, if any) starts the line: `sample(page, "x_total")`.
-fn sample(page: &str, series: &str) -> f64 {
-    page.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            let (name, value) = l.rsplit_once(' ')?;
-            (name == series).then(|| value.parse::<f64>().ok())?
-        })
-        .unwrap_or_else(|| panic!("no sample {series} in\n{page}"))
-}
-
 #[tokio::test]
 async fn steps_show_up_in_the_scraped_metrics() {
     let ctx = context();
@@ -127,7 +112,7 @@ async fn steps_show_up_in_the_scraped_metrics() {
     );
 
     // One session of 16 positions; a 3-token prefill and a 1-token decode step.
-    let mut state = StreamState::default();
+    let mut state = StreamState::new(PeerId::random());
     let id = opened(state.handle(open(&ctx, 16), &ctx).await);
     stepped(state.handle(step(id, 0, 3), &ctx).await);
     stepped(state.handle(step(id, 3, 1), &ctx).await);

@@ -4,12 +4,12 @@
 use std::{collections::HashSet, future::Future, time::Duration};
 
 use libp2p::{
-    core::{upgrade, Transport},
+    core::{muxing::StreamMuxerBox, transport::Boxed, upgrade, Transport},
     identity::Keypair,
     kad::QueryId,
     multiaddr::Protocol,
     noise,
-    pnet::PnetConfig,
+    pnet::{PnetConfig, PreSharedKey},
     tcp, yamux, Multiaddr, PeerId, Stream, StreamProtocol, Swarm, SwarmBuilder,
 };
 use tokio::sync::{mpsc, oneshot};
@@ -82,31 +82,63 @@ macro_rules! finish_swarm {
     };
 }
 
+/// A connection whose security and multiplexer are not negotiated by then is dropped. Without a bound, a peer that
+/// never answers (or one holding another swarm key, whose bytes decrypt to garbage that can read as a long length
+/// prefix) keeps the dial, and every DHT query waiting for it, pending for as long as the socket lives.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// TCP, noise and yamux, bounded by [`HANDSHAKE_TIMEOUT`]; in a private swarm every connection is first wrapped in
+/// pnet with `swarm_key`.
+fn tcp_transport(
+    key: &Keypair,
+    swarm_key: Option<PreSharedKey>,
+) -> Result<Boxed<(PeerId, StreamMuxerBox)>, Box<dyn std::error::Error + Send + Sync>> {
+    // Inference steps are small request/response frames: Nagle would add latency to each.
+    let tcp = tcp::tokio::Transport::new(tcp::Config::default().nodelay(true));
+    let noise = noise::Config::new(key)?;
+    Ok(match swarm_key {
+        None => secured(tcp, noise),
+        Some(psk) => secured(
+            tcp.and_then(move |socket, _| PnetConfig::new(psk).handshake(socket)),
+            noise,
+        ),
+    })
+}
+
+/// `transport` upgraded with noise and yamux, the whole negotiation bounded by [`HANDSHAKE_TIMEOUT`].
+fn secured<T>(transport: T, noise: noise::Config) -> Boxed<(PeerId, StreamMuxerBox)>
+where
+    T: Transport + Send + Unpin + 'static,
+    T::Output: futures::AsyncRead + futures::AsyncWrite + Unpin + Send + 'static,
+    T::Error: Send + Sync + 'static,
+    T::Dial: Send + 'static,
+    T::ListenerUpgrade: Send + 'static,
+{
+    transport
+        .upgrade(upgrade::Version::V1Lazy)
+        .authenticate(noise)
+        .multiplex(yamux::Config::default())
+        .timeout(HANDSHAKE_TIMEOUT)
+        .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
+        .boxed()
+}
+
 fn build_swarm(config: &NetConfig) -> Result<Swarm<PetalBehaviour>, NetError> {
     let keypair: Keypair = config.keypair.clone();
-    // Inference steps are small request/response frames: Nagle would add latency to each.
-    let tcp_config = || tcp::Config::default().nodelay(true);
     let builder = SwarmBuilder::with_existing_identity(keypair).with_tokio();
+    let tcp = |key: &Keypair| tcp_transport(key, config.swarm_key);
     let swarm = match config.swarm_key {
         None => finish_swarm!(
             builder
-                .with_tcp(tcp_config(), noise::Config::new, yamux::Config::default)
-                .map_err(|e| NetError::Transport(format!("tcp/noise: {e}")))?
-                .with_quic(),
+                .with_quic()
+                .with_other_transport(tcp)
+                .map_err(|e| NetError::Transport(format!("tcp/noise: {e}")))?,
             config
         ),
-        // A private swarm: TCP only, every connection wrapped in pnet before noise.
-        Some(psk) => finish_swarm!(
+        // A private swarm: TCP only (QUIC has no pnet).
+        Some(_) => finish_swarm!(
             builder
-                .with_other_transport(
-                    |key| -> Result<_, Box<dyn std::error::Error + Send + Sync>> {
-                        Ok(tcp::tokio::Transport::new(tcp_config())
-                            .and_then(move |socket, _| PnetConfig::new(psk).handshake(socket))
-                            .upgrade(upgrade::Version::V1Lazy)
-                            .authenticate(noise::Config::new(key)?)
-                            .multiplex(yamux::Config::default()))
-                    }
-                )
+                .with_other_transport(tcp)
                 .map_err(|e| NetError::Transport(format!("tcp/pnet/noise: {e}")))?,
             config
         ),

@@ -11,6 +11,10 @@
 use bytes::{BufMut, Bytes, BytesMut};
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use prost::Message;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::pb;
 
@@ -34,6 +38,9 @@ pub enum FrameError {
     /// The input ended inside a frame: `got` bytes of a frame that needs `expected` (prefix included).
     #[error("truncated frame: expected {expected} bytes, got {got}")]
     Truncated { expected: usize, got: usize },
+    /// A frame whose first byte arrived was not complete `seconds` later (a peer dripping a large frame).
+    #[error("frame not complete within {seconds} s ({got} bytes received)")]
+    Timeout { seconds: f64, got: usize },
     /// The frame was complete but its bytes are not a valid message of the expected type.
     #[error("malformed message: {0}")]
     Decode(#[from] prost::DecodeError),
@@ -46,7 +53,7 @@ impl FrameError {
         match self {
             FrameError::TooLarge { .. } => Some(pb::ErrorCode::FrameTooLarge),
             FrameError::Decode(_) => Some(pb::ErrorCode::BadRequest),
-            FrameError::Io(_) | FrameError::Truncated { .. } => None,
+            FrameError::Io(_) | FrameError::Truncated { .. } | FrameError::Timeout { .. } => None,
         }
     }
 
@@ -118,6 +125,61 @@ pub fn decode_frame<M: Message + Default>(
     Ok((msg, total))
 }
 
+/// Bounds on the bytes a reader may hold in frames not yet handled, shared by many streams: each pool is a
+/// semaphore of bytes (a node gives every stream its peer's pool and the node-wide one). A stream takes bytes from
+/// every pool as its body buffer grows and gives them back when the next frame is asked for, so the bytes of the
+/// frame being handled stay counted too. A stream that cannot get bytes waits (the peer's bytes stay in the
+/// transport's bounded windows) until others give some back or its frame deadline passes.
+#[derive(Debug, Clone, Default)]
+pub struct RecvBudget {
+    pools: Vec<Arc<Semaphore>>,
+}
+
+impl RecvBudget {
+    /// Takes bytes from each of `pools`, in order.
+    pub fn new(pools: Vec<Arc<Semaphore>>) -> Self {
+        Self { pools }
+    }
+
+    /// A pool of `bytes` (at most [`Semaphore::MAX_PERMITS`]).
+    pub fn pool(bytes: usize) -> Arc<Semaphore> {
+        Arc::new(Semaphore::new(bytes.min(Semaphore::MAX_PERMITS)))
+    }
+
+    async fn take(&self, bytes: usize, held: &mut Vec<OwnedSemaphorePermit>) {
+        let Ok(n) = u32::try_from(bytes) else {
+            return;
+        };
+        for pool in &self.pools {
+            // A pool is never closed, so acquiring fails only if it were; then it bounds nothing.
+            if let Ok(permit) = pool.clone().acquire_many_owned(n).await {
+                held.push(permit);
+            }
+        }
+    }
+}
+
+/// What a reader allows a peer: how long one frame may take to arrive once its first byte has, and the byte pools
+/// its unhandled frames draw from. The default bounds nothing (a client reading its servers' answers).
+#[derive(Debug, Clone, Default)]
+pub struct RecvLimits {
+    pub frame_timeout: Option<Duration>,
+    pub budget: RecvBudget,
+}
+
+/// The frame being read: kept in the stream, so a `recv` cancelled at an await point (a `select!` that chose
+/// another branch) loses nothing and the next `recv` goes on where it stopped.
+#[derive(Debug, Default)]
+struct Partial {
+    prefix: [u8; PREFIX_LEN],
+    prefix_got: usize,
+    body: Vec<u8>,
+    filled: usize,
+    /// When its first byte arrived (the frame deadline counts from then).
+    started: Option<Instant>,
+    permits: Vec<OwnedSemaphorePermit>,
+}
+
 /// A futures-io byte stream carrying frames both ways, with byte counters for wire-cost accounting.
 ///
 /// Errors and stream state:
@@ -126,10 +188,14 @@ pub fn decode_frame<M: Message + Default>(
 /// - `TooLarge` on `recv`: the body was NOT read, so the stream is out of sync. The caller must answer with
 ///   `FRAME_TOO_LARGE` (sending still works) and then [`close`](Self::close) the stream; a further `recv` would
 ///   misread body bytes as a prefix.
-/// - `Truncated` or `Io`: the stream is finished; drop it.
+/// - `Truncated`, `Timeout` or `Io`: the stream is finished; drop it.
 pub struct FramedStream<S> {
     inner: S,
     max_frame_bytes: usize,
+    limits: RecvLimits,
+    partial: Partial,
+    /// Budget bytes of the last frame returned, given back at the next `recv`.
+    held: Vec<OwnedSemaphorePermit>,
     bytes_sent: u64,
     bytes_received: u64,
 }
@@ -143,9 +209,18 @@ where
         Self {
             inner: stream,
             max_frame_bytes,
+            limits: RecvLimits::default(),
+            partial: Partial::default(),
+            held: Vec::new(),
             bytes_sent: 0,
             bytes_received: 0,
         }
+    }
+
+    /// Applies `limits` to the frames received from now on.
+    pub fn with_limits(mut self, limits: RecvLimits) -> Self {
+        self.limits = limits;
+        self
     }
 
     /// Encodes, writes and flushes one frame. A message over the limit is refused with `TooLarge` before
@@ -160,65 +235,84 @@ where
 
     /// Reads one frame and decodes it.
     ///
-    /// `Ok(None)` when the peer closed the stream cleanly between frames; `Truncated` when it closed inside one.
-    /// The announced length is checked against the limit before any body byte is read, and the body buffer grows
-    /// only as bytes arrive, never beyond the announced length.
+    /// `Ok(None)` when the peer closed the stream cleanly between frames; `Truncated` when it closed inside one;
+    /// `Timeout` when a frame whose first byte arrived is not complete within the limits' frame timeout. The
+    /// announced length is checked against the limit before any body byte is read, and the body buffer grows only
+    /// as bytes arrive (drawing on the limits' budget), never beyond the announced length.
+    ///
+    /// Cancellation-safe: the bytes of a frame read so far stay in the stream.
     pub async fn recv<M: Message + Default>(&mut self) -> Result<Option<M>, FrameError> {
-        let mut prefix = [0u8; PREFIX_LEN];
-        let got = self.read_some(&mut prefix).await?;
-        if got == 0 {
+        self.held.clear();
+        let Some(len) = self.read_frame().await? else {
             return Ok(None);
+        };
+        let done = std::mem::take(&mut self.partial);
+        self.held = done.permits;
+        Ok(Some(M::decode(&done.body[..len])?))
+    }
+
+    /// Reads the pending frame's prefix and body into `self.partial`; its body length, or `None` at a clean end.
+    async fn read_frame(&mut self) -> Result<Option<usize>, FrameError> {
+        let frame_timeout = self.limits.frame_timeout;
+        let deadline = |p: &Partial| p.started.zip(frame_timeout).map(|(t, d)| t + d);
+        let p = &mut self.partial;
+        while p.prefix_got < PREFIX_LEN {
+            let at = deadline(p);
+            let n = match read_before(&mut self.inner, &mut p.prefix[p.prefix_got..], at).await {
+                Ok(n) => n,
+                Err(Some(e)) => return Err(e.into()),
+                Err(None) => return Err(timeout(p, frame_timeout)),
+            };
+            if n == 0 {
+                if p.prefix_got == 0 {
+                    return Ok(None);
+                }
+                return Err(FrameError::Truncated {
+                    expected: PREFIX_LEN,
+                    got: p.prefix_got,
+                });
+            }
+            p.started.get_or_insert_with(Instant::now);
+            p.prefix_got += n;
+            self.bytes_received += n as u64;
         }
-        if got < PREFIX_LEN {
-            return Err(FrameError::Truncated {
-                expected: PREFIX_LEN,
-                got,
-            });
-        }
-        let len = u32::from_be_bytes(prefix) as usize;
+        let len = u32::from_be_bytes(p.prefix) as usize;
         if len > self.max_frame_bytes {
             return Err(FrameError::TooLarge {
                 len,
                 max: self.max_frame_bytes,
             });
         }
-
-        let mut body: Vec<u8> = Vec::new();
-        let mut filled = 0;
-        while filled < len {
-            if filled == body.len() {
-                // Double the buffer (starting at INITIAL_BODY_CHUNK), capped at the announced length.
-                let grow = body.len().max(INITIAL_BODY_CHUNK).min(len - body.len());
-                body.reserve_exact(grow);
-                body.resize(body.len() + grow, 0);
+        while p.filled < len {
+            if p.filled == p.body.len() {
+                // Double the buffer (starting at INITIAL_BODY_CHUNK), capped at the announced length; the budget
+                // pays for it first.
+                let grow = p.body.len().max(INITIAL_BODY_CHUNK).min(len - p.body.len());
+                let mut permits = Vec::new();
+                let take = self.limits.budget.take(grow, &mut permits);
+                if within(deadline(p), take).await.is_err() {
+                    return Err(timeout(p, frame_timeout));
+                }
+                p.permits.append(&mut permits);
+                p.body.reserve_exact(grow);
+                p.body.resize(p.body.len() + grow, 0);
             }
-            let n = self.read_some(&mut body[filled..]).await?;
+            let at = deadline(p);
+            let n = match read_before(&mut self.inner, &mut p.body[p.filled..], at).await {
+                Ok(n) => n,
+                Err(Some(e)) => return Err(e.into()),
+                Err(None) => return Err(timeout(p, frame_timeout)),
+            };
             if n == 0 {
                 return Err(FrameError::Truncated {
                     expected: PREFIX_LEN + len,
-                    got: PREFIX_LEN + filled,
+                    got: PREFIX_LEN + p.filled,
                 });
             }
-            filled += n;
+            p.filled += n;
+            self.bytes_received += n as u64;
         }
-        Ok(Some(M::decode(&body[..])?))
-    }
-
-    /// Fills `buf` unless EOF comes first; returns the bytes read (less than `buf.len()` only at EOF).
-    async fn read_some(&mut self, buf: &mut [u8]) -> Result<usize, FrameError> {
-        let mut filled = 0;
-        while filled < buf.len() {
-            match self.inner.read(&mut buf[filled..]).await {
-                Ok(0) => break,
-                Ok(n) => {
-                    filled += n;
-                    self.bytes_received += n as u64;
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Ok(filled)
+        Ok(Some(len))
     }
 
     /// Flushes and closes the write side. Best effort: a failure here means the peer is already gone, which is
@@ -250,6 +344,40 @@ where
     /// The underlying stream.
     pub fn get_ref(&self) -> &S {
         &self.inner
+    }
+}
+
+/// `fut`, or `Err(())` once `deadline` passes (never without one).
+async fn within<T>(deadline: Option<Instant>, fut: impl Future<Output = T>) -> Result<T, ()> {
+    match deadline {
+        Some(at) => tokio::time::timeout_at(at.into(), fut)
+            .await
+            .map_err(|_| ()),
+        None => Ok(fut.await),
+    }
+}
+
+/// Reads some bytes into `buf` before `deadline` (retrying interrupted reads): how many, or the I/O error, or
+/// `None` when the deadline passed.
+async fn read_before<S: AsyncRead + Unpin>(
+    inner: &mut S,
+    buf: &mut [u8],
+    deadline: Option<Instant>,
+) -> Result<usize, Option<std::io::Error>> {
+    loop {
+        match within(deadline, inner.read(buf)).await {
+            Ok(Ok(n)) => return Ok(n),
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Ok(Err(e)) => return Err(Some(e)),
+            Err(()) => return Err(None),
+        }
+    }
+}
+
+fn timeout(p: &Partial, frame_timeout: Option<Duration>) -> FrameError {
+    FrameError::Timeout {
+        seconds: frame_timeout.unwrap_or_default().as_secs_f64(),
+        got: p.prefix_got + p.filled,
     }
 }
 

@@ -17,7 +17,7 @@ mod ext;
 pub mod frame;
 pub mod tensor;
 
-pub use frame::{FrameError, FramedStream};
+pub use frame::{FrameError, FramedStream, RecvBudget, RecvLimits};
 pub use tensor::TensorError;
 
 /// Version carried in `OpenSession.protocol_version`; a server refuses any other with `VERSION_MISMATCH`.

@@ -65,6 +65,21 @@ impl pb::WireDType {
     }
 }
 
+/// Room in a frame for everything but a step's hidden states (the request's other fields, protobuf tags).
+const FRAME_HEADROOM_BYTES: usize = 64 * 1024;
+
+/// How many tokens of `batch` x `hidden` states in `dtype` one frame of at most `max_frame_bytes` can carry (at
+/// least 1): what both sides split a long step by, so that no step is refused for its size on the wire.
+pub fn tokens_per_frame(
+    max_frame_bytes: usize,
+    batch: usize,
+    hidden: usize,
+    dtype: pb::WireDType,
+) -> usize {
+    let per_token = batch.max(1) * hidden.max(1) * dtype.element_size().unwrap_or(4);
+    (max_frame_bytes.saturating_sub(FRAME_HEADROOM_BYTES) / per_token).max(1)
+}
+
 /// Parses "f32", "f16" or "bf16" (ASCII case-insensitive), e.g. from a command-line flag.
 pub fn parse_dtype(s: &str) -> Option<pb::WireDType> {
     [pb::WireDType::F32, pb::WireDType::F16, pb::WireDType::Bf16]

@@ -173,7 +173,8 @@ def test_failover_is_shown_under_the_answer(browser):
     answer = ask(browser, "Write a long story about a knight who befriends a dragon.")
     content = answer.find_element(By.CSS_SELECTOR, ".content")
     wait(browser, ANSWER_TIMEOUT, lambda d: len(content.text) > 20, "the long answer did not start streaming")
-    # The 15..30 node running this answer: the one whose step count grows while it streams (nothing else runs).
+    # The 15..30 node running this answer: the one whose step count grows while it streams (nothing else runs: the
+    # API runs with --verify off, so no output check runs steps on the other replica).
     base = {n: steps_served(addr) for n, (_, addr) in nodes.items()}
     serving = wait(browser, 30, lambda d: [n for n, (_, addr) in nodes.items() if steps_served(addr) >= base[n] + 2],
                    "no 15..30 node is running the answer")

@@ -3,7 +3,8 @@
 Basic fields, and what real clients also send or read: `stream_options`, `stop` lists, `seed`, `logprobs` and
 `top_logprobs`, `presence_penalty`/`frequency_penalty`, `max_completion_tokens`, `user`, `tools` they do not need,
 `system_fingerprint`; the fields that change an answer's meaning and cannot be honoured (`n` > 1, a forced
-`tool_choice`, ...) are refused OpenAI-style. Also `/health`, CORS (`--cors-origin`) and the chat page at `/`.
+`tool_choice`, ...) are refused OpenAI-style. Also `/health`, CORS (`--cors-origin`), the chat page at `/`, and the
+limits: the bounded queue, `--request-timeout`, and a storm of 2 MB prompts that must not slow `/v1/models` down.
 
 Starts `target/release/petal api` (and, for one test, a real loopback swarm of `petal-node` processes) as
 subprocesses and talks to it as any OpenAI client would. Build first: `cargo build --release --workspace --bins`;
@@ -11,7 +12,9 @@ run with `scripts/test-api`. Binaries come from $PETAL_BIN_DIR (default target/r
 (default ../shared/models beside the checkout).
 """
 
+import collections
 import concurrent.futures
+import http.client
 import json
 import math
 import os
@@ -117,13 +120,25 @@ class Api:
 
     def post_raw(self, path, body, content_type="application/json"):
         """POSTs raw bytes; returns (status, parsed JSON body)."""
+        status, _, parsed = self.post_raw_with_headers(path, body, content_type)
+        return status, parsed
+
+    def post_raw_with_headers(self, path, body, content_type="application/json"):
+        """POSTs raw bytes; returns (status, headers, parsed JSON body)."""
         request = urllib.request.Request(f"{self.url}{path}", data=body, method="POST",
                                          headers={"Content-Type": content_type})
         try:
             with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as r:
-                return r.status, json.loads(r.read())
+                return r.status, r.headers, json.loads(r.read())
         except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+            return e.code, e.headers, json.loads(e.read())
+
+    def post_stream(self, path, body):
+        """POSTs a streaming request and reads the stream to its end; returns (status, the `data:` payloads)."""
+        request = urllib.request.Request(f"{self.url}{path}", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as r:
+            return r.status, [line[len(b"data: "):].decode().strip() for line in r if line.startswith(b"data: ")]
 
 
 @pytest.fixture(scope="module")
@@ -640,6 +655,131 @@ def test_bounded_queue_and_body_limit():
         assert ok.usage.completion_tokens >= 1
         status, too_big = api.post_raw("/v1/completions", json.dumps({**request, "prompt": "x" * 3000}).encode())
         assert status == 413, (status, too_big)
+    finally:
+        api.proc.stop()
+
+
+def test_request_timeout():
+    """--request-timeout 1: a generation still running 1 s after its request got its slot is stopped. A plain
+    request gets 504 with a typed OpenAI error, a stream (200 already sent) the chunks so far, then an error event
+    and `[DONE]`; either way the only slot is freed at once (a small request right after gets it: it may wait 5 s
+    at most), and the timeouts are counted."""
+    api = Api("api-timeout", ["--local", "--model", SMOL, "--max-concurrent", "1", "--max-queue", "1",
+                              "--queue-timeout", "5", "--request-timeout", "1"])
+    try:
+        # Greedy, this prompt runs past 400 tokens (7 s here) without an end of sequence.
+        long = dict(model=SMOL_NAME, prompt="Once upon a time", temperature=0, max_tokens=4000)
+        small = json.dumps({**long, "max_tokens": 2}).encode()
+
+        def small_request_succeeds():
+            status, body = api.post_raw("/v1/completions", small)
+            assert status == 200 and body["usage"]["completion_tokens"] >= 1, (status, body)
+
+        def is_timeout(error):
+            return error["type"] == "timeout_error" and error["code"] == "request_timeout" and \
+                "within 1 s" in error["message"]
+
+        assert metric(api, "petal_api_requests_timed_out_total") == 0
+        start = time.monotonic()
+        status, body = api.post_raw("/v1/completions", json.dumps(long).encode())
+        took = time.monotonic() - start
+        assert status == 504 and is_timeout(body["error"]), (status, body)
+        assert 1 <= took < 10, took
+        small_request_succeeds()
+        assert metric(api, "petal_api_requests_timed_out_total") == 1
+
+        start = time.monotonic()
+        status, events = api.post_stream("/v1/completions", json.dumps({**long, "stream": True}).encode())
+        took = time.monotonic() - start
+        assert status == 200 and 1 <= took < 10, (status, took)
+        assert events[-1] == "[DONE]", events[-3:]
+        *chunks, error = [json.loads(e) for e in events[:-1]]
+        assert "error" in error and is_timeout(error["error"]), error
+        assert chunks and "".join(c["choices"][0]["text"] for c in chunks), "nothing was streamed before the timeout"
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
+        small_request_succeeds()
+        # The official client raises the error event as an APIError.
+        stream = api.client.chat.completions.create(model=SMOL_NAME, messages=STORY, temperature=0, max_tokens=4000,
+                                                    stream=True)
+        with pytest.raises(openai.APIError) as e:
+            for _ in stream:
+                pass
+        assert is_timeout(e.value.body), e.value.body
+        small_request_succeeds()
+        assert metric(api, "petal_api_requests_timed_out_total") == 3
+        assert metric(api, "petal_api_requests_waiting") == 0
+    finally:
+        api.proc.stop()
+
+
+def test_storm_of_huge_prompts_keeps_the_api_responsive():
+    """200 requests at once, each with a 2 MB prompt (half completions, half chat), against the default limits (8
+    generating, 64 waiting). While they are in flight, `GET /v1/models` (on a new connection each time) answers
+    within 100 ms, every time. Every request gets an HTTP answer: 400 context_length_exceeded (2 MB is far beyond
+    the context), 413, or 429 with Retry-After (a valid answer would do too); no connection error, no 5xx, no hang.
+    """
+    api = Api("api-storm", ["--local", "--model", SMOL])
+    try:
+        words = "Once upon a time there was a little cat named Tom who liked to sleep in the sun. "
+        prompt = (words * (2_000_000 // len(words) + 1))[:2_000_000]
+        kinds = [
+            ("/v1/completions", json.dumps({"model": SMOL_NAME, "prompt": prompt, "max_tokens": 4}).encode()),
+            ("/v1/chat/completions", json.dumps({"model": SMOL_NAME, "max_tokens": 4,
+                                                 "messages": [{"role": "user", "content": prompt}]}).encode()),
+        ]
+        host, port = api.url.removeprefix("http://").rsplit(":", 1)
+
+        def send(i):
+            try:
+                return api.post_raw_with_headers(*kinds[i % 2])
+            except Exception as e:  # a connection error, a broken answer: recorded, and the test fails on it
+                return repr(e), None, None
+
+        def models_latency():
+            start = time.perf_counter()
+            connection = http.client.HTTPConnection(host, int(port), timeout=REQUEST_TIMEOUT)
+            try:
+                connection.request("GET", "/v1/models")
+                response = connection.getresponse()
+                assert response.status == 200 and json.loads(response.read())["data"][0]["id"] == SMOL_NAME
+            finally:
+                connection.close()
+            return time.perf_counter() - start
+
+        latencies = []
+        with concurrent.futures.ThreadPoolExecutor(max_workers=200) as pool:
+            futures = [pool.submit(send, i) for i in range(200)]
+            deadline = time.monotonic() + 2 * REQUEST_TIMEOUT
+            while not all(f.done() for f in futures):
+                assert time.monotonic() < deadline, f"{sum(not f.done() for f in futures)} requests hang"
+                latencies.append(models_latency())
+                time.sleep(0.02)
+            answers = [f.result() for f in futures]
+
+        outcomes = collections.Counter()
+        for status, headers, body in answers:
+            if status == 200:
+                outcome = "200" if body["choices"] else f"200 without choices: {body}"
+            elif status == 400:
+                outcome = f"400 {body['error']['code']}"
+            elif status == 413:
+                outcome = "413"
+            elif status == 429:
+                outcome = f"429 Retry-After: {headers['Retry-After']}"
+            else:
+                outcome = f"{status} {body}"
+            outcomes[outcome] += 1
+        allowed = {"200", "400 context_length_exceeded", "413", "429 Retry-After: 1"}
+        assert set(outcomes) <= allowed, outcomes
+        assert sum(outcomes.values()) == 200
+        print(f"\nstorm: {dict(outcomes)}; GET /v1/models {len(latencies)} times, max "
+              f"{max(latencies) * 1000:.0f} ms, median {sorted(latencies)[len(latencies) // 2] * 1000:.0f} ms")
+        assert len(latencies) >= 10, latencies
+        assert max(latencies) < 0.1, sorted(latencies)[-10:]
+        # Nothing is left waiting, and the server still generates.
+        assert metric(api, "petal_api_requests_waiting") == 0
+        ok = api.client.completions.create(model=SMOL_NAME, prompt="Once upon a time", max_tokens=2)
+        assert ok.usage.completion_tokens >= 1
     finally:
         api.proc.stop()
 

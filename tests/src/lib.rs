@@ -137,6 +137,11 @@ impl Proc {
         self.child.id()
     }
 
+    /// Its resident memory now, in bytes.
+    pub fn rss(&self) -> u64 {
+        proc_status_bytes(self.pid(), "VmRSS")
+    }
+
     /// Waits until a stdout line satisfies `pred` and returns it; panics (with the process's stderr) when the
     /// process exits first or `timeout` passes.
     pub fn wait_for_line(
@@ -294,6 +299,17 @@ impl std::fmt::Display for CmdOutput {
             self.stderr
         )
     }
+}
+
+/// A size field (`VmRSS`, `VmHWM`, ...) of `/proc/PID/status`, in bytes (Linux).
+pub fn proc_status_bytes(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"));
+    kb * 1024
 }
 
 /// Runs `cmd` to completion, SIGKILLing it after `timeout`; collects stdout and stderr.

@@ -148,6 +148,22 @@ impl BlockSession for LocalSpansSession {
         self.max_length
     }
 
+    fn extend(&mut self, max_length: usize) -> BoxFuture<'_, Result<()>> {
+        async move {
+            if self.caches.iter().any(Option::is_none) {
+                return Err(ClientError::Request(
+                    "this local session lost its cache (a step was abandoned midway); open a new one".into(),
+                ));
+            }
+            for cache in self.caches.iter_mut().flatten() {
+                cache.extend(max_length);
+            }
+            self.max_length = self.max_length.max(max_length);
+            Ok(())
+        }
+        .boxed()
+    }
+
     fn forward<'a>(&'a mut self, hidden: &'a Tensor) -> BoxFuture<'a, Result<BlocksOutput>> {
         async move {
             let mut x = hidden.clone();

@@ -27,6 +27,9 @@ pub trait BlockSession: Send {
     /// Positions the session can hold.
     fn max_length(&self) -> usize;
 
+    /// Raises the positions the session can hold to `max_length` (never lowers it), keeping what it holds.
+    fn extend(&mut self, max_length: usize) -> BoxFuture<'_, Result<()>>;
+
     /// Runs `hidden` (`[batch, tokens, hidden]`) for the next positions through every block, in order.
     fn forward<'a>(&'a mut self, hidden: &'a Tensor) -> BoxFuture<'a, Result<BlocksOutput>>;
 

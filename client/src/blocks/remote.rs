@@ -71,6 +71,10 @@ impl BlockSession for ChainSession {
         ChainSession::max_length(self)
     }
 
+    fn extend(&mut self, max_length: usize) -> BoxFuture<'_, Result<()>> {
+        ChainSession::extend(self, max_length).boxed()
+    }
+
     fn forward<'a>(&'a mut self, hidden: &'a Tensor) -> BoxFuture<'a, Result<BlocksOutput>> {
         async move {
             let (hidden, hops) = self.step(hidden).await?;

@@ -334,8 +334,12 @@ impl ChainSession {
                 }
             }
         }
-        tracing::warn!(peer = %failed_hop.peer_id(), %range, error = %cause, "server failed; replacing it");
-        self.client.ban(failed_hop.peer_id());
+        if cause.is_eviction() {
+            tracing::info!(peer = %failed_hop.peer_id(), %range, "session evicted for another peer; opening a new one");
+        } else {
+            tracing::warn!(peer = %failed_hop.peer_id(), %range, error = %cause, "server failed; replacing it");
+            self.client.ban(failed_hop.peer_id());
+        }
         loop {
             let banned = self.client.banned();
             let mut fresh = self.open_chain(range, HashSet::new(), false).await?;
@@ -357,6 +361,34 @@ impl ChainSession {
                 Err((_, e)) => return Err(e),
             }
         }
+    }
+
+    /// Raises the positions the session may hold to `max_length` on every hop (a generation or conversation that
+    /// goes on). A server that cannot grow its reservation is replaced, over a chain opened at the new length and
+    /// replayed; checking chains are dropped and reopened at the new length when next drawn.
+    pub async fn extend(&mut self, max_length: usize) -> Result<()> {
+        if max_length <= self.max_length {
+            return Ok(());
+        }
+        self.max_length = max_length;
+        let deadline = Instant::now() + self.config.failover_budget;
+        let mut i = 0;
+        while i < self.links.len() {
+            let link = &mut self.links[i];
+            link.shadow = None;
+            match link.hop.extend(max_length, self.config.step_timeout).await {
+                Ok(()) => i += 1,
+                Err(e) if e.is_retryable() && Instant::now() < deadline => {
+                    // Its replacement links are opened at the new length.
+                    let before = self.links.len();
+                    self.replace(i, e, deadline).await?;
+                    i += 1 + self.links.len() - before;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        tracing::debug!(max_length, "session extended");
+        Ok(())
     }
 
     /// Closes every hop's session (best effort: servers also free sessions when the stream ends).

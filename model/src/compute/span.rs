@@ -287,6 +287,15 @@ impl SpanCache {
         Ok(())
     }
 
+    /// Raises the positions the session may hold to `max_length` (at most the model's context, checked by the
+    /// caller, which knows it); never lowers it.
+    pub fn extend(&mut self, max_length: usize) {
+        self.max_length = self.max_length.max(max_length);
+        for cache in &mut self.caches {
+            cache.extend(self.max_length);
+        }
+    }
+
     /// Bytes of KV held across the session's blocks.
     pub fn bytes(&self) -> usize {
         self.caches.iter().map(KvCache::bytes).sum()

@@ -60,6 +60,11 @@ fn all_requests() -> Vec<pb::Request> {
             start_block: 2,
             end_block: 7,
             max_length: 512,
+            max_batch: 2,
+        }),
+        request::Kind::Extend(pb::ExtendSession {
+            session_id: 42,
+            max_length: 1024,
         }),
         request::Kind::Step(pb::Step {
             session_id: 42,
@@ -91,6 +96,10 @@ fn all_responses() -> Vec<pb::Response> {
             compute_micros: 1234,
         }),
         response::Kind::Closed(pb::SessionClosed { session_id: 42 }),
+        response::Kind::Extended(pb::SessionExtended {
+            session_id: 42,
+            max_length: 1024,
+        }),
         response::Kind::Info(sample_record()),
     ];
     let mut out: Vec<pb::Response> = kinds
@@ -508,4 +517,106 @@ async fn duplex_request_response_exchange() {
     assert_eq!(srv_tx, client.bytes_received());
     // The server closed its side: the client now sees a clean EOF.
     assert!(client.recv::<pb::Response>().await.unwrap().is_none());
+}
+
+/// A frame announced in full and then delivered a byte at a time is given up `frame_timeout` after its first byte.
+#[tokio::test]
+async fn a_dripped_frame_times_out() {
+    use tokio::io::AsyncWriteExt as _;
+    let (mut writer, reader) = tokio::io::duplex(1 << 16);
+    let limits = RecvLimits {
+        frame_timeout: Some(Duration::from_millis(500)),
+        budget: RecvBudget::default(),
+    };
+    let mut server = FramedStream::new(reader.compat(), DEFAULT_MAX).with_limits(limits);
+    // A stream idle between frames has no deadline: a whole frame sent after longer than the timeout arrives.
+    let frame = encode_frame(&pb::Request::default());
+    let late = async {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        writer.write_all(&frame).await.unwrap();
+    };
+    let (received, ()) = tokio::join!(server.recv::<pb::Request>(), late);
+    assert_eq!(received.unwrap(), Some(pb::Request::default()));
+    // A frame announcing 200 bytes and dripping one every 50 ms is given up 500 ms after its first byte.
+    writer.write_all(&[0, 0, 0, 200]).await.unwrap();
+    let drip = tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            if writer.write_all(&[8]).await.is_err() {
+                break;
+            }
+        }
+    });
+    let started = std::time::Instant::now();
+    match server.recv::<pb::Request>().await {
+        Err(FrameError::Timeout { seconds, got }) => {
+            assert_eq!(seconds, 0.5);
+            assert!((4..=20).contains(&got), "{got} bytes");
+        }
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(FrameError::Timeout {
+        seconds: 0.5,
+        got: 4
+    }
+    .error_code()
+    .is_none());
+    drop(server);
+    drip.await.unwrap();
+}
+
+/// Two streams sharing a pool that holds one frame: the second frame waits until the first stream asks for its
+/// next one (the first frame was handled), then arrives whole.
+#[tokio::test]
+async fn streams_sharing_a_budget_wait_for_each_other() {
+    let request = pb::Request {
+        kind: Some(request::Kind::Step(pb::Step {
+            session_id: 1,
+            position: 0,
+            hidden: Some(from_f32(
+                &vec![0.25; 40_000],
+                &[1, 1, 40_000],
+                pb::WireDType::F32,
+            )),
+        })),
+    };
+    let frame = encode_frame(&request);
+    let pool = RecvBudget::pool(200_000);
+    let limits = RecvLimits {
+        frame_timeout: None,
+        budget: RecvBudget::new(vec![pool.clone()]),
+    };
+    let mut streams = vec![];
+    for _ in 0..2 {
+        let (mut writer, reader) = tokio::io::duplex(1 << 20);
+        use tokio::io::AsyncWriteExt as _;
+        writer.write_all(&frame).await.unwrap();
+        streams.push((
+            writer,
+            FramedStream::new(reader.compat(), DEFAULT_MAX).with_limits(limits.clone()),
+        ));
+    }
+    let (_w1, mut first) = streams.remove(0);
+    let (_w2, mut second) = streams.remove(0);
+    assert_eq!(
+        first.recv::<pb::Request>().await.unwrap().as_ref(),
+        Some(&request)
+    );
+    // The first frame's bytes are still counted: the second cannot complete.
+    assert!(pool.available_permits() < 200_000 - 160_000 + 1);
+    let waiting =
+        tokio::time::timeout(Duration::from_millis(200), second.recv::<pb::Request>()).await;
+    assert!(waiting.is_err(), "the second frame fit beside the first");
+    // The first stream moves on (its peer closed): its frame's bytes go back, and the second frame completes,
+    // from where its cancelled recv left it.
+    drop(_w1);
+    assert!(first.recv::<pb::Request>().await.unwrap().is_none());
+    assert_eq!(
+        second.recv::<pb::Request>().await.unwrap().as_ref(),
+        Some(&request)
+    );
+    drop(second);
+    drop(first);
+    assert_eq!(pool.available_permits(), 200_000);
 }

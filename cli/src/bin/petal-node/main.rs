@@ -129,12 +129,33 @@ struct ServeArgs {
     /// A name shown in `petal swarm` and routes.
     #[arg(long, default_value = "")]
     public_name: String,
-    /// KV cache budget, in token positions summed over all sessions.
+    /// KV cache budget, in positions (batch x tokens) summed over all sessions.
     #[arg(long, default_value_t = 16384)]
     cache_tokens: usize,
     /// Most sessions open at once.
     #[arg(long, default_value_t = 64)]
     max_sessions: usize,
+    /// Most sessions one peer may hold at once.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    max_sessions_per_peer: u32,
+    /// Seconds a session must be idle before it may be evicted to make room for a peer below its fair share.
+    #[arg(long, default_value = "30", value_parser = seconds)]
+    reclaim_idle: Duration,
+    /// Most working memory (MiB) one step may need; steps are announced small enough to fit at full context.
+    #[arg(long, default_value_t = 4096)]
+    max_step_memory: u64,
+    /// Seconds a frame may take to arrive once its first byte has.
+    #[arg(long, default_value = "60", value_parser = positive_seconds)]
+    frame_timeout: Duration,
+    /// MiB of received, not yet handled frames one peer may hold across its streams (at least one frame: 64).
+    #[arg(long, default_value_t = 128)]
+    peer_buffer: usize,
+    /// MiB of received, not yet handled frames all peers together may hold.
+    #[arg(long, default_value_t = 512)]
+    recv_buffer: usize,
+    /// Info requests and undecodable frames one peer may send per second (bursts of five times as many).
+    #[arg(long, default_value_t = 20.0)]
+    cheap_rate: f64,
     /// Most positions (batch x tokens) one step may carry; clients split longer prompts into steps of this size.
     #[arg(long, default_value_t = petal_node::server::DEFAULT_MAX_CHUNK_TOKENS as u32, value_parser = clap::value_parser!(u32).range(1..))]
     max_chunk_tokens: u32,
@@ -204,7 +225,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.cache_tokens = args.cache_tokens;
     config.max_sessions = args.max_sessions;
     config.max_chunk_tokens = args.max_chunk_tokens as usize;
-    config.session_timeout = args.session_timeout;
+    config.max_sessions_per_peer = args.max_sessions_per_peer as usize;
+    config.reclaim_idle = args.reclaim_idle;
+    config.limits.session_timeout = args.session_timeout;
+    config.limits.max_step_bytes = args.max_step_memory << 20;
+    config.limits.frame_timeout = args.frame_timeout;
+    config.limits.peer_buffer_bytes = args.peer_buffer << 20;
+    config.limits.buffer_bytes = args.recv_buffer << 20;
+    config.limits.cheap_per_sec = args.cheap_rate;
+    config.limits.cheap_burst = args.cheap_rate * 5.0;
     config.record_ttl = args.net.record_ttl;
     config.metrics_listen = args.metrics_listen;
     let node = Node::start(config).await?;

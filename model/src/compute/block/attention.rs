@@ -10,7 +10,7 @@ use crate::error::{ModelError, Result};
 use candle_core::{DType, Device, Tensor};
 
 /// Query rows scored at once: bounds a step's score memory to this many rows per head.
-const QUERY_CHUNK: usize = 256;
+pub(crate) const QUERY_CHUNK: usize = 256;
 
 /// Queries, keys and values of a step's rows, before RoPE: `[1, rows, heads * head_dim]` and `[1, rows, kv_dim]`.
 pub(crate) struct Projected {

@@ -110,6 +110,16 @@ impl KvCache {
         Some((k.contiguous().ok()?, v.contiguous().ok()?))
     }
 
+    /// Positions the cache may hold at most.
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// Raises the most positions the cache may hold (a session extended); what is held stays where it is.
+    pub fn extend(&mut self, max_len: usize) {
+        self.max_len = self.max_len.max(max_len);
+    }
+
     pub fn clear(&mut self) {
         self.buffers = None;
         self.len = 0;

@@ -167,3 +167,21 @@ pub struct BlockStep<'a> {
     pub position: usize,
     pub cache: &'a mut KvCache,
 }
+
+/// Bytes of working memory one step through one block needs at its peak, beside the weights and the KV cache: for
+/// `batch` sequences of `tokens` new positions over a `context` of positions (those new ones included).
+///
+/// Attention dominates: f32 scores, their masked copy and the probabilities for at most [`attention::QUERY_CHUNK`]
+/// query rows per sequence and head at a time, against the whole context, plus the keys and values widened to f32.
+/// The MLP's and projections' activations come next. An estimate for admission, not an allocator's count: it is
+/// linear in `context` and grows with `tokens` only up to the query chunk.
+pub fn step_working_bytes(spec: &ModelSpec, batch: usize, tokens: usize, context: usize) -> u64 {
+    let f32_bytes = 4u64;
+    let (b, t, c) = (batch as u64, tokens as u64, context as u64);
+    let rows = b * spec.num_heads as u64 * t.min(attention::QUERY_CHUNK as u64);
+    let scores = 3 * rows * c * f32_bytes;
+    let kv_f32 = 2 * b * (spec.num_kv_heads * spec.head_dim) as u64 * c * f32_bytes;
+    let per_token = (4 * spec.hidden_size + 3 * spec.intermediate_size) as u64;
+    let activations = b * t * per_token * f32_bytes;
+    scores + kv_f32 + activations
+}

@@ -11,6 +11,7 @@
 //! | `petal_api_skipped_checks_total` | counter | checks whose second server failed |
 //! | `petal_api_verification_mismatches_total{verdict}` | counter | disagreeing checks, by who was blamed |
 //! | `petal_api_requests_waiting` | gauge | requests waiting for a generation slot (`--max-queue` bounds it) |
+//! | `petal_api_requests_timed_out_total` | counter | requests stopped at `--request-timeout` (504, or an error event) |
 use axum::extract::State;
 use axum::http::header;
 use axum::response::IntoResponse;
@@ -38,6 +39,7 @@ pub struct ApiMetrics {
     skipped: Counter,
     mismatches: Family<VerdictLabel, Counter>,
     waiting: Gauge,
+    timed_out: Counter,
 }
 
 impl Default for ApiMetrics {
@@ -53,6 +55,7 @@ impl Default for ApiMetrics {
             skipped: Counter::default(),
             mismatches: Family::default(),
             waiting: Gauge::default(),
+            timed_out: Counter::default(),
             registry: Registry::default(),
         };
         let counters = [
@@ -90,6 +93,11 @@ impl Default for ApiMetrics {
                 "petal_api_skipped_checks",
                 "Checks whose second server failed",
                 &metrics.skipped,
+            ),
+            (
+                "petal_api_requests_timed_out",
+                "Requests stopped at --request-timeout",
+                &metrics.timed_out,
             ),
         ];
         for (name, help, counter) in counters {
@@ -137,6 +145,11 @@ impl ApiMetrics {
         }
     }
 
+    /// Counts a request stopped at `--request-timeout`.
+    pub fn timed_out(&self) {
+        self.timed_out.inc();
+    }
+
     /// The page, with `waiting` requests queued now.
     fn render(&self, waiting: usize) -> Result<String, std::fmt::Error> {
         self.waiting.set(i64::try_from(waiting).unwrap_or(i64::MAX));
@@ -157,5 +170,23 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
         Err(e) => {
             super::types::ApiError::internal(format!("rendering metrics: {e}")).into_response()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_and_the_queue_are_on_the_page() {
+        let metrics = ApiMetrics::default();
+        metrics.timed_out();
+        metrics.timed_out();
+        let page = metrics.render(3).unwrap();
+        assert!(
+            page.contains("\npetal_api_requests_timed_out_total 2\n"),
+            "{page}"
+        );
+        assert!(page.contains("\npetal_api_requests_waiting 3\n"), "{page}");
     }
 }

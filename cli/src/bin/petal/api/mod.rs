@@ -6,8 +6,9 @@
 //! Every request runs in a task of its own on a session of its own (through the swarm: its own chain of server
 //! sessions), so requests are served concurrently; `--max-concurrent` bounds how many generate at once (the rest
 //! wait their turn, up to `--max-queue`; beyond, 429 with `Retry-After`). Parsing, tokenizing and rendering the
-//! chat template run inside that limit, on the blocking pool; bodies are capped at `--max-body-bytes`. A request
-//! whose client goes away is aborted and its session freed.
+//! chat template run inside that limit, on the blocking pool, on every core but one; bodies are capped at
+//! `--max-body-bytes`. A request whose client goes away is aborted and its session freed, and so is one that runs
+//! past `--request-timeout` after getting its slot (answered 504, or a stream's error event).
 mod admission;
 mod jobs;
 mod metrics;
@@ -20,7 +21,7 @@ mod types;
 use crate::backend::ModelArgs;
 use anyhow::Context;
 use clap::Args;
-use petal_cli::seconds::positive_seconds;
+use petal_cli::seconds::{positive_seconds, seconds};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
@@ -44,6 +45,10 @@ pub struct ApiArgs {
     /// Seconds a request may wait for a slot before it is answered 429.
     #[arg(long, default_value = "60", value_parser = positive_seconds)]
     pub queue_timeout: std::time::Duration,
+    /// Seconds a request may take once it has its slot (preparing, generating, streaming; 0 = no limit). Past it
+    /// the generation is stopped and the request answered 504 (a stream ends with an error event).
+    #[arg(long, default_value = "600", value_parser = seconds)]
+    pub request_timeout: std::time::Duration,
     /// Largest request body accepted, in bytes (413 beyond).
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
@@ -104,6 +109,14 @@ pub async fn run(args: ApiArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|| default_name(&args.model.model));
     let model_id = loaded.generator.model_id().to_string();
     let client = loaded.client.clone();
+    // Preparing requests may take every core but one, which stays with the async runtime (admission.rs).
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    let preparers = cores.saturating_sub(1).max(1);
+    tracing::debug!(
+        preparers,
+        request_timeout_s = args.request_timeout.as_secs_f64(),
+        "API limits"
+    );
     let state = Arc::new(state::AppState {
         generator: loaded.generator,
         tokenizer: loaded.tokenizer,
@@ -115,6 +128,8 @@ pub async fn run(args: ApiArgs) -> anyhow::Result<()> {
             args.max_concurrent,
             args.max_queue,
             args.queue_timeout,
+            Some(args.request_timeout),
+            preparers,
         ),
         metrics: Default::default(),
     });

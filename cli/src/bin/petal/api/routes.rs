@@ -1,5 +1,6 @@
 //! The endpoints and the server's state; non-streamed answers (streamed ones: [`super::stream`], request
 //! validation: [`super::jobs`], what answers report beyond text: [`super::report`]).
+use super::admission::Slot;
 use super::jobs::{chat_job, completion_job, Endpoint, Job};
 use super::report::{self, Logprobs};
 use super::state::{AbortOnDrop, AppState};
@@ -15,6 +16,7 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 use std::sync::Arc;
 use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::Instant;
 use tower_http::cors::CorsLayer;
 
 /// The chat page: one self-contained HTML file (no build step, nothing fetched from elsewhere).
@@ -119,7 +121,8 @@ async fn chat_completions(
 }
 
 /// Takes a generation slot (or answers 429), then turns the body into a job with `build` (JSON, tokenizer, chat
-/// template: up to megabytes of CPU work, so on the blocking pool and inside the slot limit), then runs it.
+/// template: up to megabytes of CPU work, so on the blocking pool, inside the slot limit, a few at once), then
+/// runs it. From the slot on, the request has `--request-timeout` to be answered.
 async fn admit_and_run(
     state: Arc<AppState>,
     body: Result<Bytes, BytesRejection>,
@@ -129,16 +132,27 @@ async fn admit_and_run(
         Ok(body) => body,
         Err(e) => return e.into_response(),
     };
-    let permit = match state.admission.admit().await {
-        Ok(permit) => permit,
+    let Slot { permit, deadline } = match state.admission.admit().await {
+        Ok(slot) => slot,
         Err(e) => return e.into_response(),
     };
-    let parse_state = state.clone();
-    let job = tokio::task::spawn_blocking(move || build(&parse_state, &parse_json(&body)?)).await;
-    match job {
-        Ok(Ok(job)) => run(state, job, permit).await,
-        Ok(Err(e)) => e.into_response(),
-        Err(e) => ApiError::internal(format!("parsing the request failed: {e}")).into_response(),
+    let prepare = async {
+        let cpu = state.admission.cpu().await?;
+        let parse_state = state.clone();
+        // The job holds the slot (and the core) until it is done, even when the request has given up on it, so
+        // that the slots bound the work really running.
+        let (permit, job) = tokio::task::spawn_blocking(move || {
+            let _cpu = cpu;
+            let job = parse_json(&body).and_then(|v| build(&parse_state, &v));
+            (permit, job)
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("parsing the request failed: {e}")))?;
+        Ok((permit, job?))
+    };
+    match state.before(deadline, prepare).await {
+        Ok((permit, job)) => run(state, job, permit, deadline).await,
+        Err(e) => e.into_response(),
     }
 }
 
@@ -147,17 +161,27 @@ fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
 }
 
 /// Opens the session (so that a swarm failure is a proper 503 even for a stream), then generates in a task of its
-/// own.
-async fn run(state: Arc<AppState>, job: Job, permit: OwnedSemaphorePermit) -> Response {
-    let max_length =
-        (job.prompt.len() + job.config.max_new_tokens).min(state.generator.max_position());
-    let session = match state.generator.open_session(max_length).await {
+/// own, until `deadline`: past it the task is aborted (its session and slot freed) and the answer is a 504.
+async fn run(
+    state: Arc<AppState>,
+    job: Job,
+    permit: OwnedSemaphorePermit,
+    deadline: Option<Instant>,
+) -> Response {
+    // What the request needs now; the decode loop grows the reservation if the answer runs longer.
+    let max_length = state
+        .generator
+        .reservation_for(job.prompt.len(), job.config.max_new_tokens);
+    let open = async {
+        (state.generator.open_session(max_length).await).map_err(|e| ApiError::from_client(&e))
+    };
+    let session = match state.before(deadline, open).await {
         Ok(s) => s,
-        Err(e) => return ApiError::from_client(&e).into_response(),
+        Err(e) => return e.into_response(),
     };
     tracing::debug!(id = %job.id, prompt_tokens = job.prompt.len(), max_tokens = job.config.max_new_tokens, stream = job.stream, "generating");
     if job.stream {
-        return stream::respond(state, job, session, permit);
+        return stream::respond(state, job, session, permit, deadline);
     }
     let task_state = state.clone();
     let prompt = job.prompt.clone();
@@ -178,11 +202,19 @@ async fn run(state: Arc<AppState>, job: Job, permit: OwnedSemaphorePermit) -> Re
         session.close().await;
         result
     }));
-    let completion = match (&mut task.0).await {
-        Ok(Ok(c)) => c,
-        Ok(Err(e)) => return ApiError::from_client(&e).into_response(),
+    let generated = async {
+        (&mut task.0)
+            .await
+            .map_err(|e| ApiError::internal(format!("generation task failed: {e}")))?
+            .map_err(|e| ApiError::from_client(&e))
+    };
+    let completion = match state.before(deadline, generated).await {
+        Ok(c) => c,
         Err(e) => {
-            return ApiError::internal(format!("generation task failed: {e}")).into_response()
+            // Past the deadline the task is still running: dropping its guard aborts it, which frees its session
+            // and slot.
+            drop(task);
+            return e.into_response();
         }
     };
     let usage = Usage::new(job.prompt.len(), completion.sampled.len());

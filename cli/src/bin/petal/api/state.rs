@@ -1,7 +1,10 @@
 //! What the endpoints share: the model, its tokenizer, the API's names for it, and the concurrency limit.
+use super::types::ApiError;
 use petal_client::Generator;
 use petal_model::Tokenizer;
+use std::future::Future;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 pub struct AppState {
     pub generator: Generator,
@@ -17,6 +20,28 @@ pub struct AppState {
     /// Generation slots and the queue for them.
     pub admission: super::admission::Admission,
     pub metrics: super::metrics::ApiMetrics,
+}
+
+impl AppState {
+    /// `work`, given until `deadline` (a request's [`super::admission::Slot::deadline`]; `None`: no limit). Past
+    /// it, `work` is dropped with what it owns (a half-opened session, a slot), the timeout counted, and the
+    /// answer is the 504 of [`ApiError::timeout`].
+    pub async fn before<T>(
+        &self,
+        deadline: Option<Instant>,
+        work: impl Future<Output = Result<T, ApiError>>,
+    ) -> Result<T, ApiError> {
+        let (Some(deadline), Some(limit)) = (deadline, self.admission.request_timeout()) else {
+            return work.await;
+        };
+        match tokio::time::timeout_at(deadline, work).await {
+            Ok(result) => result,
+            Err(_) => {
+                self.metrics.timed_out();
+                Err(ApiError::timeout(limit))
+            }
+        }
+    }
 }
 
 /// [`AppState::fingerprint`] for a model id (`<name>-<hex digest>`).

@@ -3,6 +3,11 @@
 //! The generation runs in its own task and sends finished events through a channel; the response body reads them.
 //! When the client goes away the body is dropped, which aborts the task and frees its session.
 //!
+//! A failure after the status line was sent (the swarm fails, or the request runs past `--request-timeout`: then
+//! the generation is stopped and its session and slot freed) is reported in the stream as OpenAI does, one event
+//! `data: {"error": {"message", "type", "param", "code"}}` (a timeout: type `timeout_error`, code
+//! `request_timeout`), followed by `data: [DONE]` like every stream, so that clients that wait for it end cleanly.
+//!
 //! Every chunk carries `system_fingerprint`. With log-probabilities asked, a chunk carries those of the tokens
 //! whose text it holds (a token that completed no text yet, e.g. half a character, rides with the next chunk
 //! that has text, or with the finishing chunk). The finishing chunk (the one with `finish_reason`) carries the
@@ -13,6 +18,7 @@ use super::state::{AbortOnDrop, AppState};
 use super::types::{finish_reason, ApiError, Usage};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
+use futures::FutureExt;
 use petal_client::Session;
 use petal_model::text::sampling::TokenLogprob;
 use petal_model::FinishReason;
@@ -20,6 +26,7 @@ use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::sync::Arc;
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tokio::time::Instant;
 
 /// Builds the chunks of one response.
 struct Chunks {
@@ -80,11 +87,14 @@ fn event(value: &Value) -> Event {
     Event::default().data(value.to_string())
 }
 
+/// Streams `job`'s generation on `session`, holding `permit` (the request's slot) until the last event, and
+/// stopping at `deadline`.
 pub fn respond(
     state: Arc<AppState>,
     job: Job,
     session: Session,
     permit: OwnedSemaphorePermit,
+    deadline: Option<Instant>,
 ) -> Response {
     let (tx, rx) = mpsc::unbounded_channel::<Event>();
     let chunks = Chunks {
@@ -104,30 +114,39 @@ pub fn respond(
         // Log-probabilities of tokens whose text is not out yet.
         let mut pending: Vec<TokenLogprob> = vec![];
         let wants_logprobs = job.logprobs();
-        let result = state
-            .generator
-            .continue_with(
-                &mut session,
-                &state.tokenizer,
-                &job.prompt,
-                &job.config,
-                |step| {
-                    // The end-of-sequence token is not part of the text, nor of its logprobs.
-                    if step.finished != Some(FinishReason::Eos) {
-                        pending.extend(step.logprob.clone());
-                    }
-                    if step.text.is_empty() {
-                        return !tx.is_closed();
-                    }
-                    let lp = if wants_logprobs {
-                        logprobs.format(&std::mem::take(&mut pending))
-                    } else {
-                        Value::Null
-                    };
-                    tx.send(event(&chunks.text(&step.text, lp, None))).is_ok()
-                },
-            )
-            .await;
+        let generation = state.generator.continue_with(
+            &mut session,
+            &state.tokenizer,
+            &job.prompt,
+            &job.config,
+            |step| {
+                // The end-of-sequence token is not part of the text, nor of its logprobs.
+                if step.finished != Some(FinishReason::Eos) {
+                    pending.extend(step.logprob.clone());
+                }
+                if step.text.is_empty() {
+                    return !tx.is_closed();
+                }
+                let lp = if wants_logprobs {
+                    logprobs.format(&std::mem::take(&mut pending))
+                } else {
+                    Value::Null
+                };
+                tx.send(event(&chunks.text(&step.text, lp, None))).is_ok()
+            },
+        );
+        let result = match state.before(deadline, generation.map(Ok)).await {
+            Ok(result) => result,
+            Err(timeout) => {
+                // Stopped mid-step: the session is dropped, not closed (its servers free it when its streams
+                // end, as when a client goes away).
+                drop(session);
+                tracing::warn!(id = %job.id, error = %timeout.message, "request timed out mid-stream; generation stopped");
+                let _ = tx.send(event(&timeout.body()));
+                let _ = tx.send(Event::default().data("[DONE]"));
+                return;
+            }
+        };
         session.close().await;
         match result {
             Ok(c) if c.cancelled => {

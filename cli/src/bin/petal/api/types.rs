@@ -89,6 +89,26 @@ impl ApiError {
         }
     }
 
+    /// 504: the request ran past `--request-timeout` (`limit`) after it got its slot; its generation was stopped.
+    ///
+    /// 504 rather than 408: 408 says the server gave up waiting for the client to send its request (and asks the
+    /// client to close the connection), which is not what happened; here the request arrived whole and the
+    /// server (a gateway to the swarm's servers, which did not finish in time) gave up on the answer.
+    pub fn timeout(limit: std::time::Duration) -> Self {
+        Self {
+            status: StatusCode::GATEWAY_TIMEOUT,
+            message: format!(
+                "The request did not finish within {} s, this server's time limit per request; its generation \
+                 was stopped. Ask for fewer tokens (max_tokens) or retry later",
+                limit.as_secs_f64()
+            ),
+            kind: "timeout_error",
+            param: None,
+            code: Some("request_timeout"),
+            retry_after: None,
+        }
+    }
+
     /// Maps a generation failure: the swarm's troubles are 503, this process's own are 500.
     pub fn from_client(e: &petal_client::ClientError) -> Self {
         match e {
@@ -342,6 +362,20 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("messages[0].role"));
         let e = error_of::<CompletionRequest>(r#"{"model": "m", "prompt": {"a": 1}}"#);
         assert_eq!(e.param.as_deref(), Some("prompt"));
+    }
+
+    #[test]
+    fn timeouts_are_typed_504s() {
+        let e = ApiError::timeout(std::time::Duration::from_millis(1500));
+        assert_eq!(e.status, StatusCode::GATEWAY_TIMEOUT);
+        let body = e.body();
+        assert_eq!(body["error"]["type"], "timeout_error");
+        assert_eq!(body["error"]["code"], "request_timeout");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(message.contains("within 1.5 s"), "{message}");
+        assert!(ApiError::timeout(std::time::Duration::from_secs(600))
+            .message
+            .contains("within 600 s"));
     }
 
     #[test]
