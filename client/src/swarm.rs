@@ -161,12 +161,13 @@ impl SwarmClient {
         range: BlockRange,
         timeout: Duration,
     ) -> Result<Vec<Hop>> {
-        self.plan_without(model_id, range, &HashSet::new(), timeout, false)
+        self.plan_without(model_id, range, &HashSet::new(), timeout, false, 0)
             .await
     }
 
-    /// [`SwarmClient::plan`] with the peers in `exclude` left out (they are not merely banned: a plan never falls
-    /// back to them). An `optional` chain is one the client can do without (checking answers): one discovery
+    /// [`SwarmClient::plan`] for a session of `positions` positions (servers announcing less free cache are
+    /// avoided, [`plan_range`]; 0: any), with the peers in `exclude` left out (they are not merely banned: a plan
+    /// never falls back to them). An `optional` chain is one the client can do without (checking answers): one discovery
     /// decides (an uncovered range is answered at once), and no peer that failed recently is used or dialed, so
     /// dead or failing servers never slow down a check.
     pub async fn plan_without(
@@ -176,6 +177,7 @@ impl SwarmClient {
         exclude: &HashSet<String>,
         timeout: Duration,
         optional: bool,
+        positions: usize,
     ) -> Result<Vec<Hop>> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
@@ -205,16 +207,18 @@ impl SwarmClient {
             let rtts = self.rtts(&servers).await;
             let rtt = |p: &str| rtts.get(p).copied();
             let banned = self.banned();
-            let route = plan_range(model_id, &servers, range, rtt, &banned).or_else(|e| {
-                // A ban is a preference: when the servers left for some blocks all failed us recently, try them
-                // again rather than give up (the caller ends the attempt if one fails again).
-                match e {
-                    ClientError::Uncovered { .. } if !banned.is_empty() && !optional => {
-                        plan_range(model_id, &servers, range, rtt, &HashSet::new()).map_err(|_| e)
+            let route =
+                plan_range(model_id, &servers, range, rtt, &banned, positions).or_else(|e| {
+                    // A ban is a preference: when the servers left for some blocks all failed us recently, try them
+                    // again rather than give up (the caller ends the attempt if one fails again).
+                    match e {
+                        ClientError::Uncovered { .. } if !banned.is_empty() && !optional => {
+                            plan_range(model_id, &servers, range, rtt, &HashSet::new(), positions)
+                                .map_err(|_| e)
+                        }
+                        e => Err(e),
                     }
-                    e => Err(e),
-                }
-            });
+                });
             match route {
                 Ok(route) => return Ok(route),
                 Err(ClientError::Uncovered { .. })

@@ -55,6 +55,9 @@ pub struct NodeConfig {
     /// Most positions (batch x tokens) one step may carry (`--max-chunk-tokens`), announced so clients split
     /// long prompts: it bounds a step's activations and attention scores, whatever the prompt's length.
     pub max_chunk_tokens: usize,
+    /// Tokens per second to announce (`--throughput`); `None`: measured at start through the span. Routers weigh
+    /// servers by it: an owner who knows the node's sustained speed (shared hardware, thermal limits) says so.
+    pub throughput: Option<f64>,
     /// Serve Prometheus metrics on `GET http://ADDR/metrics` (`--metrics-listen`); `None`: no metrics server.
     pub metrics_listen: Option<SocketAddr>,
     /// Draw the block-loading progress bar in this group of bars (the demo's); `None`: a bar of its own. Bars go
@@ -85,6 +88,7 @@ impl NodeConfig {
             record_ttl: petal_p2p::DEFAULT_RECORD_TTL,
             max_chunk_tokens: DEFAULT_MAX_CHUNK_TOKENS,
             metrics_listen: None,
+            throughput: None,
             progress: None,
         }
     }
@@ -130,14 +134,17 @@ impl Node {
         let span = Arc::new(span);
         let (device_infos, quantization) = (span_infos(&config, &span), source.quantization());
         let wire = wire_dtype(span.input_placement().dtype)?;
-        let throughput = {
-            let span = span.clone();
-            tokio::task::spawn_blocking(move || measure_throughput(&span))
-                .await
-                .map_err(|source| NodeError::Join {
-                    task: "measuring throughput",
-                    source,
-                })??
+        let throughput = match config.throughput {
+            Some(announced) => announced,
+            None => {
+                let span = span.clone();
+                tokio::task::spawn_blocking(move || measure_throughput(&span))
+                    .await
+                    .map_err(|source| NodeError::Join {
+                        task: "measuring throughput",
+                        source,
+                    })??
+            }
         };
 
         let mut net_config = NetConfig::new(config.keypair.clone());

@@ -184,6 +184,7 @@ impl ChainSession {
                         &exclude,
                         config.discovery_timeout,
                         optional,
+                        max_length,
                     )
                     .await?;
                 let banned = client.banned();

@@ -165,6 +165,9 @@ struct ServeArgs {
     /// Seconds running sessions get to finish after SIGTERM.
     #[arg(long, default_value = "10", value_parser = seconds)]
     drain_timeout: Duration,
+    /// Tokens per second to announce instead of the one measured at start (routers prefer faster servers).
+    #[arg(long, value_name = "TOKENS_PER_SEC", value_parser = positive_throughput)]
+    throughput: Option<f64>,
     /// Serve Prometheus metrics on http://ADDR/metrics, e.g. 127.0.0.1:9100 (off by default).
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<std::net::SocketAddr>,
@@ -236,6 +239,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.limits.cheap_burst = args.cheap_rate * 5.0;
     config.record_ttl = args.net.record_ttl;
     config.metrics_listen = args.metrics_listen;
+    config.throughput = args.throughput;
     let node = Node::start(config).await?;
     announce_addrs(node.listen_addrs());
     if let Some(addr) = node.metrics_addr() {
@@ -264,4 +268,14 @@ async fn bootstrap(args: BootstrapArgs) -> anyhow::Result<()> {
     shutdown_signal().await?;
     net.shutdown().await;
     Ok(())
+}
+
+/// A finite throughput above zero.
+fn positive_throughput(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!(
+            "{s:?} is not a throughput in tokens per second above 0"
+        )),
+    }
 }
