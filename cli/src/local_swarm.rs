@@ -21,7 +21,7 @@ pub enum LocalSwarmError {
     #[error("starting node {index} for blocks {blocks}: {source}")]
     Node {
         index: usize,
-        blocks: BlockRange,
+        blocks: petal_node::SpanChoice,
         #[source]
         source: NodeError,
     },

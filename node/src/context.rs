@@ -9,6 +9,7 @@ use petal_model::{BlockSpan, SpanScheduler};
 use petal_proto::pb;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::watch;
 
 /// What the stream handlers share.
 pub struct ServerContext {
@@ -28,8 +29,11 @@ pub struct ServerContext {
     /// Most positions (batch x tokens) one step may carry, as the record announces (0: no limit).
     pub max_chunk_tokens: usize,
     record: Mutex<pb::ServerRecord>,
-    /// Prometheus metrics (rendered by [`crate::metrics::render`]).
-    pub metrics: Metrics,
+    /// Prometheus metrics (rendered by [`crate::metrics::render`]); shared by the contexts of every span the node
+    /// serves in turn, so its counters survive a move.
+    pub metrics: Arc<Metrics>,
+    /// Set when the node has moved to another span and this one's last sessions had their time: its streams end.
+    retired: watch::Sender<bool>,
 }
 
 impl ServerContext {
@@ -42,12 +46,25 @@ impl ServerContext {
         limits: ServeLimits,
         record: pb::ServerRecord,
     ) -> Result<Self> {
-        let metrics = Metrics::new(&BuildInfo {
+        let metrics = Arc::new(Metrics::new(&BuildInfo {
             version: env!("CARGO_PKG_VERSION").to_string(),
             model: record.model_name.clone(),
             model_id: model_id.clone(),
             blocks: span.range(),
-        });
+        }));
+        Self::with_metrics(span, model_id, admission, limits, record, metrics)
+    }
+
+    /// [`ServerContext::new`] counting into existing `metrics` (a node's next span), which now name this span.
+    pub fn with_metrics(
+        span: Arc<BlockSpan>,
+        model_id: String,
+        admission: Arc<Admission>,
+        limits: ServeLimits,
+        record: pb::ServerRecord,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self> {
+        metrics.set_blocks(span.range());
         let scheduler = SpanScheduler::builder(span.clone())
             .on_batch(metrics.batch_recorder())
             .start()?;
@@ -64,7 +81,19 @@ impl ServerContext {
             max_chunk_tokens: record.max_chunk_tokens as usize,
             record: Mutex::new(record),
             metrics,
+            retired: watch::channel(false).0,
         })
+    }
+
+    /// Ends every stream still open on this span (the node serves another now): their sessions' clients replay
+    /// elsewhere.
+    pub fn retire(&self) {
+        self.retired.send_replace(true);
+    }
+
+    /// Becomes `true` when the span is retired.
+    pub fn retirement(&self) -> watch::Receiver<bool> {
+        self.retired.subscribe()
     }
 
     /// Records AutoNAT's verdict in the announced record.

@@ -149,6 +149,7 @@ pub async fn serve_stream(stream: Stream, peer: PeerId, ctx: Arc<ServerContext>)
         FramedStream::new(stream, ctx.max_frame_bytes).with_limits(ctx.peers.recv_limits(peer));
     let mut state = StreamState::new(peer);
     let wake = state.wake();
+    let mut retirement = ctx.retirement();
     // Whether the peer misbehaved mid-frame: then the stream is reset rather than closed, since a graceful close
     // would leave a peer blocked on writing the rest of its frame waiting for credit that never comes.
     let mut reset = false;
@@ -158,6 +159,10 @@ pub async fn serve_stream(stream: Stream, peer: PeerId, ctx: Arc<ServerContext>)
             _ = wake.notified() => {
                 state.drop_evicted();
                 continue;
+            }
+            _ = retirement.wait_for(|retired| *retired) => {
+                tracing::info!(%peer, sessions = state.open_sessions(), "span retired: the node moved; closing the stream");
+                break;
             }
             received = tokio::time::timeout(ctx.session_timeout, framed.recv::<pb::Request>()) => received,
         };

@@ -76,6 +76,19 @@ pub struct Metrics {
     evicted: Counter,
     peer_sessions: Family<Vec<(String, String)>, Gauge>,
     peer_tokens: Family<Vec<(String, String)>, Gauge>,
+    build_info: Family<Vec<(String, String)>, Gauge>,
+    build: std::sync::Mutex<BuildInfo>,
+}
+
+impl BuildInfo {
+    fn labels(&self) -> Vec<(String, String)> {
+        vec![
+            ("version".into(), self.version.clone()),
+            ("model".into(), self.model.clone()),
+            ("model_id".into(), self.model_id.clone()),
+            ("blocks".into(), self.blocks.to_string()),
+        ]
+    }
 }
 
 impl Metrics {
@@ -155,18 +168,11 @@ impl Metrics {
             peer_tokens.clone(),
         );
         let build_info = Family::<Vec<(String, String)>, Gauge>::default();
-        build_info
-            .get_or_create(&vec![
-                ("version".into(), build.version.clone()),
-                ("model".into(), build.model.clone()),
-                ("model_id".into(), build.model_id.clone()),
-                ("blocks".into(), build.blocks.to_string()),
-            ])
-            .set(1);
+        build_info.get_or_create(&build.labels()).set(1);
         registry.register(
             "petal_build_info",
             "Always 1; the labels describe the build and the span served",
-            build_info,
+            build_info.clone(),
         );
         Self {
             registry,
@@ -182,7 +188,20 @@ impl Metrics {
             evicted,
             peer_sessions,
             peer_tokens,
+            build_info,
+            build: std::sync::Mutex::new(build.clone()),
         }
+    }
+
+    /// The node now serves `blocks` (it moved): `petal_build_info` says so.
+    pub fn set_blocks(&self, blocks: BlockRange) {
+        let mut build = self
+            .build
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        build.blocks = blocks;
+        self.build_info.clear();
+        self.build_info.get_or_create(&build.labels()).set(1);
     }
 
     /// One request refused for `reason` (see the table above).

@@ -1,12 +1,16 @@
-//! A running node: the span it serves, its network, its announcer and the stream handlers.
-use crate::admission::{Admission, AdmissionLimits, Usage};
+//! A running node: the span it serves, its network, its announcer, its balancer and the stream handlers.
+use crate::admission::AdmissionLimits;
+use crate::balance::{self, balancer::BalanceConfig};
 use crate::context::ServerContext;
 use crate::limits::ServeLimits;
-use crate::{devices, handler, metrics, NodeError, Result};
+use crate::loader::SpanLoader;
+use crate::metrics::{BuildInfo, Metrics};
+use crate::serving::{Serving, SpanSettings};
+use crate::{handler, metrics, NodeError, Result};
 use candle_core::DType;
 use petal_model::compute::placement::DeviceSpec;
 use petal_model::compute::wire::wire_dtype;
-use petal_model::{BlockRange, BlockSpan, ModelSource};
+use petal_model::BlockRange;
 use petal_p2p::swarm_key::PreSharedKey;
 use petal_p2p::{
     Announcer, AnnouncerHandle, Keypair, Multiaddr, NetConfig, Network, PeerId, Reachability,
@@ -19,11 +23,38 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 
+/// Which blocks a node serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpanChoice {
+    /// These, for as long as it runs (`--blocks A..B`).
+    Fixed(BlockRange),
+    /// This many consecutive blocks where the swarm's throughput is lowest, moving as the swarm changes
+    /// (`--num-blocks N`; `None`: as many as fit the devices' free memory with the KV cache budget).
+    Auto { num_blocks: Option<usize> },
+}
+
+impl std::fmt::Display for SpanChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Fixed(range) => write!(f, "{range}"),
+            Self::Auto {
+                num_blocks: Some(n),
+            } => write!(f, "{n} automatic blocks"),
+            Self::Auto { num_blocks: None } => write!(f, "automatic blocks"),
+        }
+    }
+}
+
 /// Everything `petal-node serve` is told.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
     pub model: PathBuf,
-    pub blocks: BlockRange,
+    pub blocks: SpanChoice,
+    /// How an automatic span rebalances (`--balance-period`, `--balance-quality`); `None`: it stays where it
+    /// started. Fixed spans never move.
+    pub balance: Option<BalanceConfig>,
+    /// How long the sessions of a span the node moves away from may go on before their streams are closed.
+    pub move_drain: Duration,
     /// One device, or several to split the span across.
     pub devices: Vec<DeviceSpec>,
     pub split: Option<Vec<usize>>,
@@ -66,10 +97,18 @@ pub struct NodeConfig {
 }
 
 impl NodeConfig {
+    /// A node serving `blocks`.
     pub fn new(model: PathBuf, blocks: BlockRange) -> Self {
+        Self::with_span(model, SpanChoice::Fixed(blocks))
+    }
+
+    /// A node serving blocks as `blocks` says, balancing with the default settings when automatic.
+    pub fn with_span(model: PathBuf, blocks: SpanChoice) -> Self {
         Self {
             model,
             blocks,
+            balance: Some(BalanceConfig::default()),
+            move_drain: Duration::from_secs(10),
             devices: vec![DeviceSpec::Cpu],
             split: None,
             dtype: None,
@@ -105,15 +144,18 @@ const FIRST_ANNOUNCE_WAIT: Duration = Duration::from_secs(10);
 pub struct Node {
     net: Network,
     announcer: AnnouncerHandle,
-    ctx: Arc<ServerContext>,
+    serving: Arc<Serving>,
     listen_addrs: Vec<Multiaddr>,
     accept_task: tokio::task::JoinHandle<()>,
     metrics_addr: Option<SocketAddr>,
     metrics_task: Option<tokio::task::JoinHandle<()>>,
+    balance_task: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Node {
-    /// Loads the span, joins the swarm, starts serving and announcing. Bad models, ranges and devices fail here.
+    /// Opens the model and devices, joins the swarm, chooses the span (as configured, or where the swarm needs it),
+    /// loads it and starts serving and announcing. Bad models, ranges and devices fail here, before the network
+    /// starts.
     pub async fn start(config: NodeConfig) -> Result<Node> {
         config.limits.validate().map_err(NodeError::Limits)?;
         // Bound first, so a taken port fails before minutes of loading.
@@ -121,31 +163,41 @@ impl Node {
             Some(addr) => Some(metrics::bind(addr).await?),
             None => None,
         };
-        let (span, source, block_hashes) = {
+        let loader = {
             let config = config.clone();
-            tokio::task::spawn_blocking(move || load_span(&config))
+            tokio::task::spawn_blocking(move || SpanLoader::open(&config))
                 .await
                 .map_err(|source| NodeError::Join {
-                    task: "loading the span",
+                    task: "opening the model",
                     source,
                 })??
         };
+        let source = loader.source();
+        let spec = source.spec().clone();
         let model_id = source.model_id()?;
-        let span = Arc::new(span);
-        let (device_infos, quantization) = (span_infos(&config, &span), source.quantization());
-        let wire = wire_dtype(span.input_placement().dtype)?;
-        let throughput = match config.throughput {
-            Some(announced) => announced,
-            None => {
-                let span = span.clone();
-                tokio::task::spawn_blocking(move || measure_throughput(&span))
-                    .await
-                    .map_err(|source| NodeError::Join {
-                        task: "measuring throughput",
-                        source,
-                    })??
+        let quantization = source.quantization();
+        let wire = wire_dtype(loader.dtype())?;
+        let max_chunk_tokens = fit_chunk(&spec, config.max_chunk_tokens, &config.limits, wire)?;
+        // How many blocks, checked before the network starts.
+        let span_len = match config.blocks {
+            SpanChoice::Fixed(range) => {
+                range.validate(spec.num_blocks)?;
+                range.len()
             }
+            SpanChoice::Auto {
+                num_blocks: Some(n),
+            } if n == 0 || n > spec.num_blocks => {
+                return Err(NodeError::Limits(format!(
+                    "--num-blocks {n}: the model has {} blocks",
+                    spec.num_blocks
+                )))
+            }
+            SpanChoice::Auto {
+                num_blocks: Some(n),
+            } => n,
+            SpanChoice::Auto { num_blocks: None } => loader.blocks_that_fit(config.cache_tokens)?,
         };
+        let loader = Arc::new(loader);
 
         let mut net_config = NetConfig::new(config.keypair.clone());
         net_config.listen = config.listen.clone();
@@ -161,16 +213,20 @@ impl Node {
         if let Err(e) = net.bootstrap().await {
             tracing::warn!(error = %e, "DHT bootstrap failed; announcing to whoever connects");
         }
+        let range = match config.blocks {
+            SpanChoice::Fixed(range) => range,
+            SpanChoice::Auto { .. } => {
+                match balance::choose_span(&net, &model_id, spec.num_blocks, span_len).await {
+                    Ok(range) => range,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot see the swarm; serving the first blocks");
+                        BlockRange::new(0, span_len)
+                    }
+                }
+            }
+        };
 
-        let spec = source.spec();
-        let admission = Admission::new(AdmissionLimits {
-            cache_tokens: config.cache_tokens,
-            max_sessions: config.max_sessions,
-            max_sessions_per_peer: config.max_sessions_per_peer,
-            reclaim_idle: config.reclaim_idle,
-        });
-        let max_chunk_tokens = fit_chunk(spec, config.max_chunk_tokens, &config.limits, wire)?;
-        let record = pb::ServerRecord {
+        let template = pb::ServerRecord {
             record_version: petal_proto::RECORD_VERSION,
             model_id: model_id.clone(),
             model_name: spec.name.clone(),
@@ -181,29 +237,33 @@ impl Node {
             addrs: vec![],
             relay: config.relay.is_some(),
             reachability: petal_p2p::NatStatus::Unknown.as_str().to_string(),
-            start_block: config.blocks.start as u32,
-            end_block: config.blocks.end as u32,
             dtype: wire as i32,
             quantization,
-            throughput_tokens_per_sec: throughput as f32,
             petal_version: env!("CARGO_PKG_VERSION").to_string(),
             public_name: config.public_name.clone(),
-            devices: device_infos,
-            block_hashes,
             max_chunk_tokens: u32::try_from(max_chunk_tokens).unwrap_or(u32::MAX),
             ..Default::default()
         };
-        let ctx = Arc::new(ServerContext::new(
-            span,
-            model_id,
-            admission.clone(),
-            config.limits,
-            record,
-        )?);
-        let (record_tx, record_rx) = watch::channel(ctx.record());
+        let metrics = Arc::new(Metrics::new(&BuildInfo {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            model: spec.name.clone(),
+            model_id: model_id.clone(),
+            blocks: range,
+        }));
+        let settings = SpanSettings {
+            admission: AdmissionLimits {
+                cache_tokens: config.cache_tokens,
+                max_sessions: config.max_sessions,
+                max_sessions_per_peer: config.max_sessions_per_peer,
+                reclaim_idle: config.reclaim_idle,
+            },
+            limits: config.limits,
+            throughput: config.throughput,
+        };
+        let serving = Serving::start(loader, settings, model_id, template, metrics, range).await?;
+        let (record_tx, record_rx) = watch::channel(serving.current().record());
         tokio::spawn(keep_record_current(
-            ctx.clone(),
-            admission.subscribe(),
+            serving.subscribe(),
             net.reachability(),
             record_tx,
         ));
@@ -218,32 +278,49 @@ impl Node {
             Some(listener) => {
                 let addr = listener.local_addr()?;
                 tracing::info!(%addr, "metrics on http://{addr}/metrics");
-                let task = tokio::spawn(metrics::serve(listener, ctx.clone()));
+                let task = tokio::spawn(metrics::serve(listener, serving.clone()));
                 (Some(addr), Some(task))
             }
             None => (None, None),
         };
 
         let mut incoming = net.accept_streams()?;
-        let accept_ctx = ctx.clone();
+        let accept_serving = serving.clone();
         let accept_task = tokio::spawn(async move {
             use futures::StreamExt;
             while let Some((peer, stream)) = incoming.next().await {
-                tokio::spawn(handler::serve_stream(stream, peer, accept_ctx.clone()));
+                // Each stream stays on the span served when it opened, until that span retires.
+                tokio::spawn(handler::serve_stream(
+                    stream,
+                    peer,
+                    accept_serving.current(),
+                ));
             }
         });
+        let balance_task = match (config.blocks, config.balance) {
+            (SpanChoice::Auto { .. }, Some(balance)) => Some(tokio::spawn(balance::run(
+                serving.clone(),
+                net.clone(),
+                balance,
+                config.move_drain,
+            ))),
+            _ => None,
+        };
+        let ctx = serving.current();
         tracing::info!(
-            model = %ctx.model_id, blocks = %config.blocks, throughput = format!("{throughput:.1} tokens/s"),
+            model = %ctx.model_id, blocks = %range,
+            throughput = format!("{:.1} tokens/s", ctx.record().throughput_tokens_per_sec),
             "serving"
         );
         Ok(Node {
             net,
             announcer,
-            ctx,
+            serving,
             listen_addrs,
             accept_task,
             metrics_addr,
             metrics_task,
+            balance_task,
         })
     }
 
@@ -261,23 +338,33 @@ impl Node {
         &self.listen_addrs
     }
 
-    pub fn model_id(&self) -> &str {
-        &self.ctx.model_id
+    pub fn model_id(&self) -> String {
+        self.serving.current().model_id.clone()
     }
 
-    pub fn context(&self) -> &Arc<ServerContext> {
-        &self.ctx
+    /// The blocks served now (an automatic span's balancer may move them).
+    pub fn blocks(&self) -> BlockRange {
+        self.serving.current().span.range()
     }
 
-    /// Graceful stop: withdraw the record, refuse new sessions, let running sessions go on for up to `drain`,
-    /// then close the network.
+    /// The state the handlers of the span served now share.
+    pub fn context(&self) -> Arc<ServerContext> {
+        self.serving.current()
+    }
+
+    /// Graceful stop: stop balancing, withdraw the record, refuse new sessions, let running sessions go on for up
+    /// to `drain`, then close the network.
     pub async fn shutdown(self, drain: Duration) {
-        self.ctx.admission.drain();
+        if let Some(task) = &self.balance_task {
+            task.abort();
+        }
+        let ctx = self.serving.current();
+        ctx.admission.drain();
         if let Err(e) = self.announcer.withdraw().await {
             tracing::warn!(error = %e, "could not withdraw the DHT record; it expires by itself");
         }
         let deadline = tokio::time::Instant::now() + drain;
-        while self.ctx.admission.usage().sessions > 0 && tokio::time::Instant::now() < deadline {
+        while ctx.admission.usage().sessions > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         self.accept_task.abort();
@@ -339,89 +426,42 @@ fn fit_chunk(
     Ok(lo)
 }
 
-/// Opens the devices and the model, checks the range and loads the span (on the blocking pool), returning the
-/// source too for the model id and metadata, and the served blocks' hashes (read from those blocks only).
-fn load_span(config: &NodeConfig) -> Result<(BlockSpan, ModelSource, Vec<String>)> {
-    let devices = devices::open_devices(&config.devices)?;
-    let source = ModelSource::open(&config.model)?;
-    config.blocks.validate(source.spec().num_blocks)?;
-    let dtype = source.block_dtype(config.dtype);
-    let counts = devices::plan_split(config.blocks.len(), &devices, config.split.as_deref())?;
-    let placements = devices::placements(&devices, &counts, dtype);
-    let bar = indicatif::ProgressBar::new(config.blocks.len() as u64)
-        .with_style(
-            indicatif::ProgressStyle::with_template(
-                "{msg} [{bar:30}] {pos}/{len} blocks ({elapsed})",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-            .progress_chars("=> "),
-        )
-        .with_message(format!("loading blocks {}", config.blocks));
-    let bar = match &config.progress {
-        Some(group) => group.add(bar),
-        None => bar,
-    };
-    let span = source.load_span_with_progress(config.blocks, &placements, |_| bar.inc(1));
-    bar.finish_and_clear();
-    let hashes = source.block_hashes(config.blocks)?;
-    Ok((span?, source, hashes))
-}
-
-/// The devices of the span as announced: consecutive blocks grouped by the device they were placed on.
-fn span_infos(config: &NodeConfig, span: &BlockSpan) -> Vec<pb::DeviceInfo> {
-    let mut devices: Vec<candle_core::Device> = vec![];
-    let mut counts: Vec<usize> = vec![];
-    for b in span.blocks() {
-        let d = &b.placement().device;
-        match (devices.last(), counts.last_mut()) {
-            (Some(last), Some(count)) if last.same_device(d) => *count += 1,
-            _ => {
-                devices.push(d.clone());
-                counts.push(1);
-            }
-        }
-    }
-    devices::device_infos(&devices, &counts, config.blocks)
-}
-
-/// Decode tokens per second through the whole span, from a few single-token steps of a throwaway session.
-fn measure_throughput(span: &BlockSpan) -> Result<f64> {
-    const STEPS: usize = 8;
-    let mut session = span.new_cache(span.range(), STEPS + 1)?;
-    let p = span.input_placement();
-    let x = candle_core::Tensor::zeros((1, 1, span.spec().hidden_size), p.dtype, &p.device)?;
-    span.forward(&x, 0, &mut session)?; // warm-up
-    let started = std::time::Instant::now();
-    for pos in 1..=STEPS {
-        span.forward(&x, pos, &mut session)?;
-    }
-    Ok(STEPS as f64 / started.elapsed().as_secs_f64().max(1e-9))
-}
-
-/// Keeps the announced record's free cache and session count current.
+/// Keeps the announced record current: free cache and session count as they change, reachability as AutoNAT
+/// finds it, and the span itself when the node moves.
 async fn keep_record_current(
-    ctx: Arc<ServerContext>,
-    mut usage: watch::Receiver<Usage>,
+    mut serving: watch::Receiver<Arc<ServerContext>>,
     mut reachability: watch::Receiver<Reachability>,
     record: watch::Sender<pb::ServerRecord>,
 ) {
     loop {
-        tokio::select! {
-            changed = usage.changed() => if changed.is_err() { break },
-            // New relayed or confirmed addresses: the announcer reads them when it stamps the record.
-            changed = reachability.changed() => {
-                if changed.is_err() {
-                    break;
-                }
-                let status = reachability.borrow_and_update().status;
-                ctx.set_reachability(status.as_str());
-            }
-        }
-        // Coalesce bursts of opens/closes into one DHT update.
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        usage.borrow_and_update();
+        let ctx = serving.borrow_and_update().clone();
+        ctx.set_reachability(reachability.borrow().status.as_str());
         if record.send(ctx.record()).is_err() {
-            break;
+            return;
+        }
+        let mut usage = ctx.admission.subscribe();
+        loop {
+            tokio::select! {
+                changed = serving.changed() => match changed {
+                    Ok(()) => break,
+                    Err(_) => return,
+                },
+                changed = usage.changed() => if changed.is_err() { return },
+                // New relayed or confirmed addresses: the announcer reads them when it stamps the record.
+                changed = reachability.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    let status = reachability.borrow_and_update().status;
+                    ctx.set_reachability(status.as_str());
+                }
+            }
+            // Coalesce bursts of opens/closes into one DHT update.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            usage.borrow_and_update();
+            if record.send(ctx.record()).is_err() {
+                return;
+            }
         }
     }
 }

@@ -420,7 +420,7 @@ impl SwarmBuilder {
         self
     }
 
-    /// A node serving `blocks` ("A..B") of `model`, named node1, node2, ... in order.
+    /// A node serving `blocks` ("A..B"; "": chosen by the node) of `model`, named node1, node2, ... in order.
     pub fn node(self, model: impl AsRef<Path>, blocks: &str) -> Self {
         self.node_with(model, blocks, &[])
     }
@@ -520,9 +520,13 @@ impl Swarm {
         cmd.arg("serve")
             .arg("--model")
             .arg(&spec.model)
-            .args(["--blocks", &spec.blocks, "--listen", LISTEN])
+            .args(["--listen", LISTEN])
             .args(["--bootstrap", &self.bootstrap_addr])
             .args(["--public-name", &spec.name]);
+        // No blocks: the node chooses them.
+        if !spec.blocks.is_empty() {
+            cmd.args(["--blocks", &spec.blocks]);
+        }
         if let Some(ttl) = self.record_ttl {
             cmd.args(["--record-ttl", &ttl.to_string()]);
         }

@@ -4,7 +4,7 @@ use petal_cli::app::{self, shutdown_signal, CommonArgs};
 use petal_cli::seconds::{positive_seconds, seconds};
 use petal_model::compute::placement::{parse_dtype, DeviceSpec};
 use petal_model::BlockRange;
-use petal_node::{devices, Node, NodeConfig};
+use petal_node::{devices, BalanceConfig, Node, NodeConfig, SpanChoice};
 use petal_p2p::{swarm_key::PreSharedKey, Keypair, Multiaddr, NetConfig, RelayLimits};
 use std::io::Write;
 use std::path::PathBuf;
@@ -26,7 +26,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Serve blocks A..B of a model.
+    /// Serve blocks of a model: A..B, or where the swarm needs them most.
     Serve(Box<ServeArgs>),
     /// Run a bootstrap peer: a DHT entry point that serves no blocks.
     Bootstrap(BootstrapArgs),
@@ -108,9 +108,22 @@ struct ServeArgs {
     /// Model: a Hugging Face directory, a .gguf file or a llama2.c .bin. Only the served blocks are read.
     #[arg(long)]
     model: PathBuf,
-    /// Blocks to serve, START..END (end exclusive), e.g. 10..20.
-    #[arg(long)]
-    blocks: BlockRange,
+    /// Blocks to serve, START..END (end exclusive), e.g. 10..20, for as long as the node runs. Without it the
+    /// node chooses its blocks where the swarm's throughput is lowest, and moves as the swarm changes.
+    #[arg(long, conflicts_with = "num_blocks")]
+    blocks: Option<BlockRange>,
+    /// How many blocks to choose without --blocks (default: as many as fit the device's free memory with the
+    /// --cache-tokens budget).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    num_blocks: Option<u32>,
+    /// Seconds between a node's checks whether moving elsewhere would help the swarm (jittered between half and
+    /// all of it); 0: never move. Only without --blocks.
+    #[arg(long, default_value = "120", value_parser = seconds, conflicts_with = "blocks")]
+    balance_period: Duration,
+    /// A node moves for speed only if the swarm's slowest block would get faster by more than this factor (moves
+    /// that fill a gap need no factor).
+    #[arg(long, default_value_t = petal_node::BalanceConfig::default().quality, value_parser = above_one, conflicts_with = "blocks")]
+    balance_quality: f64,
     /// Device for every block: cpu, cuda:N, metal:N or auto.
     #[arg(long, default_value = "cpu", conflicts_with = "devices")]
     device: String,
@@ -211,7 +224,18 @@ fn announce_addrs(addrs: &[Multiaddr]) {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let mut config = NodeConfig::new(args.model, args.blocks);
+    let blocks = match args.blocks {
+        Some(range) => SpanChoice::Fixed(range),
+        None => SpanChoice::Auto {
+            num_blocks: args.num_blocks.map(|n| n as usize),
+        },
+    };
+    let mut config = NodeConfig::with_span(args.model, blocks);
+    config.balance = (!args.balance_period.is_zero()).then_some(BalanceConfig {
+        period: args.balance_period,
+        quality: args.balance_quality,
+    });
+    config.move_drain = args.drain_timeout;
     config.devices = match &args.devices {
         Some(list) => devices::parse_devices(list)?,
         None => vec![DeviceSpec::parse(&args.device)?],
@@ -247,7 +271,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     println!(
         "serving blocks {} of model {}",
-        args.blocks,
+        node.blocks(),
         node.model_id()
     );
     let _ = std::io::stdout().flush();
@@ -268,6 +292,14 @@ async fn bootstrap(args: BootstrapArgs) -> anyhow::Result<()> {
     shutdown_signal().await?;
     net.shutdown().await;
     Ok(())
+}
+
+/// A finite factor above 1.
+fn above_one(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 1.0 => Ok(v),
+        _ => Err(format!("{s:?} is not a factor above 1")),
+    }
 }
 
 /// A finite throughput above zero.

@@ -1,0 +1,159 @@
+//! Automatic spans on SmolLM2 (30 blocks): nodes started one after another with `--num-blocks 10` cover 0..30
+//! without overlap, a fourth joins where the announced throughput is lowest, and when the only server of some
+//! blocks is killed another node moves to cover them within two balance periods; the swarm then still generates
+//! the local run's tokens.
+use petal_tests::*;
+use serde_json::Value;
+use std::time::{Duration, Instant};
+
+/// Short, so a killed node's record is gone soon.
+const TTL_SECS: f64 = 4.0;
+const PERIOD_SECS: u64 = 4;
+
+/// (public name, start, end) of every listed server, sorted by start then name.
+fn spans(records: &[Value]) -> Vec<(String, u64, u64)> {
+    let mut spans: Vec<(String, u64, u64)> = records
+        .iter()
+        .map(|r| {
+            (
+                r["public_name"].as_str().unwrap_or_default().to_string(),
+                r["start_block"].as_u64().unwrap_or(u64::MAX),
+                r["end_block"].as_u64().unwrap_or(u64::MAX),
+            )
+        })
+        .collect();
+    spans.sort_by(|a, b| (a.1, &a.0).cmp(&(b.1, &b.0)));
+    spans
+}
+
+fn covers_all(spans: &[(String, u64, u64)], num_blocks: u64) -> bool {
+    (0..num_blocks).all(|b| spans.iter().any(|(_, s, e)| *s <= b && b < *e))
+}
+
+fn serving_line_blocks(node: &Node) -> String {
+    node.proc
+        .stdout
+        .iter()
+        .find_map(|l| l.strip_prefix("serving blocks "))
+        .and_then(|l| l.split(' ').next())
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[test]
+fn nodes_choose_their_blocks_and_move_to_cover_a_gap() {
+    let model = smollm_gguf();
+    let period = PERIOD_SECS.to_string();
+    let args = |throughput: &'static str| {
+        vec![
+            "--num-blocks".to_string(),
+            "10".to_string(),
+            "--throughput".to_string(),
+            throughput.to_string(),
+            "--balance-period".to_string(),
+            period.clone(),
+        ]
+    };
+    let mut swarm = Swarm::builder().record_ttl(TTL_SECS).start();
+    // One after another, each waiting for the previous one's record: node2 is the slowest.
+    for (i, throughput) in ["100", "50", "100"].into_iter().enumerate() {
+        let a = args(throughput);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        swarm.add_node(&model, "", &a);
+        let listed = poll_until(Duration::from_secs(20), Duration::from_millis(250), || {
+            swarm.records().len() == i + 1
+        });
+        assert!(
+            listed.is_some(),
+            "node{} never listed\n{}",
+            i + 1,
+            swarm.report()
+        );
+    }
+    let chosen: Vec<String> = swarm.nodes.iter().map(serving_line_blocks).collect();
+    assert_eq!(
+        chosen,
+        ["0..10", "10..20", "20..30"],
+        "three nodes of 10 blocks tile the model\n{}",
+        swarm.report()
+    );
+
+    // The fourth goes where throughput is lowest: the slow node2's blocks.
+    let a = args("100");
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    swarm.add_node(&model, "", &a);
+    assert_eq!(
+        serving_line_blocks(&swarm.nodes[3]),
+        "10..20",
+        "{}",
+        swarm.report()
+    );
+    let mut records = vec![];
+    let listed = poll_until(Duration::from_secs(20), Duration::from_millis(250), || {
+        records = swarm.records();
+        records.len() == 4
+    });
+    assert!(listed.is_some(), "4 servers never listed: {records:?}");
+    // Balanced: nobody moves in a few periods (node2 and node4 could only trade places, which helps nothing).
+    std::thread::sleep(Duration::from_secs(2 * PERIOD_SECS));
+    let steady = spans(&swarm.records());
+    assert_eq!(
+        steady
+            .iter()
+            .map(|(n, s, e)| format!("{n}:{s}..{e}"))
+            .collect::<Vec<_>>(),
+        [
+            "node1:0..10",
+            "node2:10..20",
+            "node4:10..20",
+            "node3:20..30"
+        ],
+        "{}",
+        swarm.report()
+    );
+
+    // node1 is the only server of 0..10: once its record expires, node2 or node4 moves there.
+    swarm.nodes[0].proc.sigkill();
+    let killed = Instant::now();
+    let limit = Duration::from_secs_f64(TTL_SECS) + Duration::from_secs(2 * PERIOD_SECS);
+    let mut last = vec![];
+    let covered = poll_until(
+        limit + Duration::from_secs(10),
+        Duration::from_millis(250),
+        || {
+            last = spans(&swarm.records());
+            !last.iter().any(|(n, _, _)| n == "node1") && covers_all(&last, 30)
+        },
+    );
+    let took = killed.elapsed();
+    assert!(
+        covered.is_some(),
+        "blocks 0..10 never covered again: {last:?}\n{}",
+        swarm.report()
+    );
+    eprintln!(
+        "covered again {:.1} s after the kill: {last:?}",
+        took.as_secs_f64()
+    );
+    assert!(
+        took <= limit + Duration::from_secs(3),
+        "covering took {:.1} s, more than the TTL and two balance periods",
+        took.as_secs_f64()
+    );
+    let movers = last.iter().filter(|(_, s, _)| *s == 0).count();
+    assert_eq!(movers, 1, "exactly one node moved into the gap: {last:?}");
+
+    // The moved swarm computes what the model computes.
+    let prompt = "The capital of France is";
+    let local = Generate::new(&model, prompt)
+        .local()
+        .max_new_tokens(16)
+        .ignore_eos()
+        .run_json();
+    let remote = swarm
+        .generate(&model, prompt)
+        .max_new_tokens(16)
+        .ignore_eos()
+        .run_json();
+    assert_same_tokens("after a move", &remote, &local);
+}
