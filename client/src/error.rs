@@ -67,6 +67,18 @@ impl ClientError {
         )
     }
 
+    /// Whether a pushed step got no input from the previous server in time: nothing wrong with this server (its
+    /// session is unchanged), the step is driven by the client instead.
+    pub fn is_push_timeout(&self) -> bool {
+        matches!(
+            self,
+            Self::Server {
+                code: pb::ErrorCode::PushTimeout,
+                ..
+            }
+        )
+    }
+
     /// Whether another server might succeed where this one failed: anything a server said or did. Its error code
     /// cannot decide this (a hostile or broken server would answer "bad request" to everything and stop the
     /// client); what fails everywhere is cut short by the failover budget and by bans. Local errors are final.

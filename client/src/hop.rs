@@ -20,6 +20,18 @@ pub struct HopClient {
     dtype: pb::WireDType,
     /// Whether the stream goes through a circuit relay (no direct connection, even after hole punching).
     relayed: bool,
+    /// What the previous server of a route must show to push inputs to this session (empty: the server predates
+    /// push).
+    push_token: Vec<u8>,
+}
+
+/// Where a pushed step's input comes from.
+#[derive(Debug, Clone)]
+pub enum PushInput {
+    /// Sent by the client (the first hop of a pushed step).
+    Sent(pb::Tensor),
+    /// Pushed by the previous server; the server waits at most `wait` for it. `shape` is what it must be.
+    Awaited { shape: Vec<usize>, wait: Duration },
 }
 
 /// What one step through a hop returned.
@@ -64,6 +76,7 @@ impl HopClient {
             session_id: 0,
             dtype: pb::WireDType::F32,
             relayed,
+            push_token: vec![],
             hop,
         };
         let open = request::Kind::Open(pb::OpenSession {
@@ -77,6 +90,7 @@ impl HopClient {
         match client.call(open, timeout).await? {
             response::Kind::Opened(o) => {
                 client.session_id = o.session_id;
+                client.push_token = o.push_token;
                 client.dtype = pb::WireDType::try_from(o.dtype)
                     .map_err(|_| client.protocol("unknown session dtype"))?;
                 Ok(client)
@@ -93,6 +107,17 @@ impl HopClient {
     /// The dtype the server takes and gives hidden states in.
     pub fn wire_dtype(&self) -> pb::WireDType {
         self.dtype
+    }
+
+    /// How the previous server of a route reaches this session to push its inputs; `None` when the server does
+    /// not take pushes.
+    pub fn push_target(&self) -> Option<pb::PushTarget> {
+        (!self.push_token.is_empty()).then(|| pb::PushTarget {
+            peer_id: self.hop.record.peer_id.clone(),
+            addrs: self.hop.record.addrs.clone(),
+            session_id: self.session_id,
+            push_token: self.push_token.clone(),
+        })
     }
 
     /// Whether the hop's stream goes through a relay.
@@ -159,24 +184,56 @@ impl HopClient {
         position: usize,
         timeout: Duration,
     ) -> Result<HopStep> {
+        self.step_push(PushInput::Sent(sent), position, None, timeout)
+            .await
+    }
+
+    /// One step of a pushed route: the input sent or awaited from the previous server, the output pushed on to
+    /// `forward` (the next server) as well as answered here. Never chunked: for steps that fit one protocol step.
+    /// A server that got no push in time answers `PUSH_TIMEOUT` ([`ClientError::is_push_timeout`]), its session
+    /// unchanged.
+    pub async fn step_push(
+        &mut self,
+        input: PushInput,
+        position: usize,
+        forward: Option<pb::PushTarget>,
+        timeout: Duration,
+    ) -> Result<HopStep> {
         let span = tracing::trace_span!("hop_step", blocks = %self.hop.range, position);
-        self.exchange_step(sent, position, timeout)
+        self.exchange(input, position, forward, timeout)
             .instrument(span)
             .await
     }
 
-    async fn exchange_step(
+    async fn exchange(
         &mut self,
-        sent: pb::Tensor,
+        input: PushInput,
         position: usize,
+        forward: Option<pb::PushTarget>,
         timeout: Duration,
     ) -> Result<HopStep> {
         let started = Instant::now();
-        let input_shape: Vec<usize> = sent.shape.iter().map(|&d| d as usize).collect();
+        let (hidden, input_shape, await_push, push_wait_ms) = match &input {
+            PushInput::Sent(sent) => (
+                Some(sent.clone()),
+                sent.shape.iter().map(|&d| d as usize).collect::<Vec<_>>(),
+                false,
+                0,
+            ),
+            PushInput::Awaited { shape, wait } => (
+                None,
+                shape.clone(),
+                true,
+                u32::try_from(wait.as_millis()).unwrap_or(u32::MAX),
+            ),
+        };
         let step = request::Kind::Step(pb::Step {
             session_id: self.session_id,
             position: position as u32,
-            hidden: Some(sent.clone()),
+            hidden,
+            await_push,
+            push_wait_ms,
+            forward,
         });
         let result = match self.call(step, timeout).await? {
             response::Kind::Step(s) => s,
@@ -185,23 +242,35 @@ impl HopClient {
         let out = result
             .hidden
             .ok_or_else(|| self.protocol("StepResult without hidden states"))?;
-        let max = input_shape.iter().product();
-        let (dtype, shape) = petal_proto::tensor::validate(&out, max)
-            .map_err(|e| self.protocol(&format!("bad hidden states: {e}")))?;
-        if shape != input_shape {
-            return Err(self.protocol(&format!(
-                "answered shape {shape:?} for input {input_shape:?}"
-            )));
-        }
-        petal_proto::tensor::check_finite(dtype, &out.data)
-            .map_err(|e| self.protocol(&format!("bad hidden states: {e}")))?;
-        let hidden = from_wire(&out, dtype, &shape)?;
+        let hidden = self.decode_hidden(&out, &input_shape)?;
+        let sent = match input {
+            PushInput::Sent(sent) => sent,
+            PushInput::Awaited { .. } => {
+                let pushed = result
+                    .input
+                    .ok_or_else(|| self.protocol("pushed StepResult without its input"))?;
+                self.decode_hidden(&pushed, &input_shape)?;
+                pushed
+            }
+        };
         Ok(HopStep {
             hidden,
             sent,
             round_trip: started.elapsed(),
             compute: Duration::from_micros(result.compute_micros),
         })
+    }
+
+    /// Hidden states a server answered, checked to be `shape`, finite, and decodable.
+    fn decode_hidden(&self, t: &pb::Tensor, shape: &[usize]) -> Result<Tensor> {
+        let (dtype, got) = petal_proto::tensor::validate(t, shape.iter().product())
+            .map_err(|e| self.protocol(&format!("bad hidden states: {e}")))?;
+        if got != shape {
+            return Err(self.protocol(&format!("answered shape {got:?} for input {shape:?}")));
+        }
+        petal_proto::tensor::check_finite(dtype, &t.data)
+            .map_err(|e| self.protocol(&format!("bad hidden states: {e}")))?;
+        Ok(from_wire(t, dtype, &got)?)
     }
 
     /// Raises the session's `max_length` on the server (which refuses with `CACHE_FULL` when its reservation cannot

@@ -3,6 +3,7 @@
 use crate::admission::{Admission, PeerUsage, Usage};
 use crate::limits::{PeerLimits, ServeLimits};
 use crate::metrics::{BuildInfo, Metrics, MetricsSource};
+use crate::push::{PushInbox, Pusher};
 use crate::Result;
 use petal_model::compute::wire::wire_dtype;
 use petal_model::{BlockSpan, SpanScheduler};
@@ -34,6 +35,10 @@ pub struct ServerContext {
     pub metrics: Arc<Metrics>,
     /// Set when the node has moved to another span and this one's last sessions had their time: its streams end.
     retired: watch::Sender<bool>,
+    /// Inputs pushed to this span's sessions by the previous servers of their routes.
+    pub inbox: Arc<PushInbox>,
+    /// Sends outputs on to the next servers; `None` without a network (tests driving the handler directly).
+    pub pusher: Option<Pusher>,
 }
 
 impl ServerContext {
@@ -82,7 +87,15 @@ impl ServerContext {
             record: Mutex::new(record),
             metrics,
             retired: watch::channel(false).0,
+            inbox: Arc::default(),
+            pusher: None,
         })
+    }
+
+    /// This context forwarding outputs to next servers through `pusher`.
+    pub fn with_pusher(mut self, pusher: Pusher) -> Self {
+        self.pusher = Some(pusher);
+        self
     }
 
     /// Ends every stream still open on this span (the node serves another now): their sessions' clients replay

@@ -6,6 +6,7 @@
 //! cache at once, and the session's next use is answered `EVICTED`.
 use crate::admission::Reservation;
 use crate::context::ServerContext;
+use crate::push::{self, AwaitError, Registration};
 use petal_model::compute::block::step_working_bytes;
 use petal_model::compute::wire::{from_wire, to_wire};
 use petal_model::{BlockRange, ModelError, SchedulerError, SessionStep, SpanCache};
@@ -14,19 +15,23 @@ use petal_proto::pb::{self, request, response, ErrorCode};
 use petal_proto::{FrameError, FramedStream, PROTOCOL_VERSION};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 /// Sessions one stream may hold at once: a client needs one per hop it routes through this server.
 const MAX_SESSIONS_PER_STREAM: usize = 16;
 /// Largest batch a session may ask for.
 const MAX_BATCH: usize = 16;
+/// Longest a pushed step waits for its input, whatever the client asks: the stream answers nothing else meanwhile.
+const MAX_PUSH_WAIT: Duration = Duration::from_secs(60);
 /// Evicted session ids a stream remembers, to answer `EVICTED` rather than `UNKNOWN_SESSION`.
 const REMEMBERED_EVICTIONS: usize = MAX_SESSIONS_PER_STREAM;
 
 struct Session {
     /// `None` only while a step runs on the span scheduler.
     cache: Option<SpanCache>,
+    /// Lets the previous server of the client's route push this session's inputs; removed with the session.
+    _push: Registration,
     /// Most sequences a step may carry; the reservation is this many times `max_length`.
     max_batch: usize,
     last_used: Instant,
@@ -238,6 +243,28 @@ async fn handle(kind: request::Kind, state: &mut StreamState, ctx: &Arc<ServerCo
             None => state.missing(close.session_id),
         },
         request::Kind::Info(_) => response::Kind::Info(ctx.record()),
+        request::Kind::Push(push) => accept_push(push, ctx),
+    }
+}
+
+/// Hidden states for another client's session, from the previous server of its route.
+fn accept_push(push: pb::Push, ctx: &Arc<ServerContext>) -> Reply {
+    let Some(hidden) = push.hidden else {
+        return error(ErrorCode::BadRequest, "push without hidden states");
+    };
+    if ctx
+        .inbox
+        .deliver(push.session_id, &push.push_token, push.position, hidden)
+    {
+        response::Kind::Pushed(pb::Pushed {
+            session_id: push.session_id,
+            position: push.position,
+        })
+    } else {
+        error(
+            ErrorCode::UnknownSession,
+            format!("no session {} with that push token", push.session_id),
+        )
     }
 }
 
@@ -304,10 +331,12 @@ fn open_session(open: pb::OpenSession, state: &mut StreamState, ctx: &Arc<Server
     while session_id == 0 || state.sessions.contains_key(&session_id) {
         session_id = rand::random();
     }
+    let push_token = push::new_token();
     state.sessions.insert(
         session_id,
         Session {
             cache: Some(cache),
+            _push: ctx.inbox.register(session_id, push_token),
             max_batch,
             last_used: Instant::now(),
             reservation,
@@ -319,6 +348,7 @@ fn open_session(open: pb::OpenSession, state: &mut StreamState, ctx: &Arc<Server
         end_block: range.end as u32,
         dtype: ctx.wire_dtype as i32,
         max_length: max_length as u32,
+        push_token: push_token.to_vec(),
     })
 }
 
@@ -356,7 +386,32 @@ fn extend_session(
     })
 }
 
-async fn run_step(step: pb::Step, state: &mut StreamState, ctx: &Arc<ServerContext>) -> Reply {
+async fn run_step(mut step: pb::Step, state: &mut StreamState, ctx: &Arc<ServerContext>) -> Reply {
+    // A pushed step's input comes from the previous server of the route; it is then checked like any other.
+    let mut pushed = None;
+    if step.await_push {
+        if !state.sessions.contains_key(&step.session_id) {
+            return state.missing(step.session_id);
+        }
+        let wait = Duration::from_millis(step.push_wait_ms.into()).min(MAX_PUSH_WAIT);
+        match ctx.inbox.take(step.session_id, step.position, wait).await {
+            Ok(hidden) => {
+                step.hidden = Some(hidden.clone());
+                pushed = Some(hidden);
+            }
+            Err(AwaitError::Timeout) => {
+                return error(
+                    ErrorCode::PushTimeout,
+                    format!(
+                        "no input pushed for position {} within {} ms; send it in the step",
+                        step.position,
+                        wait.as_millis()
+                    ),
+                )
+            }
+            Err(AwaitError::Unknown) => return state.missing(step.session_id),
+        }
+    }
     let Some(session) = state.sessions.get_mut(&step.session_id) else {
         return state.missing(step.session_id);
     };
@@ -477,12 +532,20 @@ async fn run_step(step: pb::Step, state: &mut StreamState, ctx: &Arc<ServerConte
     let compute_micros = u64::try_from(batch.compute.as_micros()).unwrap_or(u64::MAX);
     ctx.record_step(tokens, compute_micros);
     match out.and_then(|t| Ok(to_wire(&t, ctx.wire_dtype)?)) {
-        Ok(hidden) => response::Kind::Step(pb::StepResult {
-            session_id: step.session_id,
-            position: step.position,
-            hidden: Some(hidden),
-            compute_micros,
-        }),
+        Ok(hidden) => {
+            match (&step.forward, &ctx.pusher) {
+                (Some(target), Some(pusher)) => pusher.push(target, step.position, hidden.clone()),
+                (Some(_), None) => tracing::debug!("asked to push, but this server has no network"),
+                _ => {}
+            }
+            response::Kind::Step(pb::StepResult {
+                session_id: step.session_id,
+                position: step.position,
+                hidden: Some(hidden),
+                compute_micros,
+                input: pushed,
+            })
+        }
         Err(SchedulerError::Model(
             e @ (ModelError::Position { .. } | ModelError::TooLong { .. }),
         )) => error(ErrorCode::BadPosition, e.to_string()),

@@ -4,8 +4,8 @@
 //! (given, or where the swarm needs it: [`balance`]), announces itself in the DHT and serves each incoming
 //! inference stream in its own task ([`handler`]) over the state they share ([`context`]); [`serving`] switches
 //! to another span when the balancer moves the node; [`admission`] keeps sessions within the cache budget and
-//! each peer to its fair share; [`limits`] bounds what else a peer may make the node spend; [`metrics`] serves
-//! Prometheus metrics. Every fallible public function returns a [`NodeError`].
+//! each peer to its fair share; [`limits`] bounds what else a peer may make the node spend; [`push`] forwards
+//! outputs straight to the next server of a client's route; [`metrics`] serves Prometheus metrics. Every fallible public function returns a [`NodeError`].
 //!
 //! Modules depend one way: `server` -> `balance` -> `serving` -> `loader`, `handler` -> `context` ->
 //! `admission`, `limits`, `metrics`.
@@ -18,6 +18,7 @@ pub mod handler;
 pub mod limits;
 pub mod loader;
 pub mod metrics;
+pub mod push;
 pub mod server;
 pub mod serving;
 

@@ -5,6 +5,7 @@ use crate::context::ServerContext;
 use crate::limits::ServeLimits;
 use crate::loader::SpanLoader;
 use crate::metrics::{BuildInfo, Metrics};
+use crate::push::Pusher;
 use crate::serving::{Serving, SpanSettings};
 use crate::{handler, metrics, NodeError, Result};
 use candle_core::DType;
@@ -260,7 +261,9 @@ impl Node {
             limits: config.limits,
             throughput: config.throughput,
         };
-        let serving = Serving::start(loader, settings, model_id, template, metrics, range).await?;
+        let pusher = Pusher::new(net.clone(), config.limits.max_frame_bytes);
+        let serving =
+            Serving::start(loader, settings, model_id, template, metrics, pusher, range).await?;
         let (record_tx, record_rx) = watch::channel(serving.current().record());
         tokio::spawn(keep_record_current(
             serving.subscribe(),

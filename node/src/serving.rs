@@ -7,6 +7,7 @@ use crate::context::ServerContext;
 use crate::limits::ServeLimits;
 use crate::loader::{measure_throughput, SpanLoader};
 use crate::metrics::{Metrics, MetricsSource};
+use crate::push::Pusher;
 use crate::{NodeError, Result};
 use petal_model::BlockRange;
 use petal_proto::pb;
@@ -27,6 +28,7 @@ pub struct SpanSettings {
 /// The node's current span, switchable.
 pub struct Serving {
     loader: Arc<SpanLoader>,
+    pusher: Pusher,
     settings: SpanSettings,
     model_id: String,
     /// The record's fields that do not depend on the span (peer, model, version, limits).
@@ -45,12 +47,16 @@ impl Serving {
         model_id: String,
         template: pb::ServerRecord,
         metrics: Arc<Metrics>,
+        pusher: Pusher,
         range: BlockRange,
     ) -> Result<Arc<Self>> {
-        let first =
-            build_context(&loader, &settings, &model_id, &template, &metrics, range).await?;
+        let first = build_context(
+            &loader, &settings, &model_id, &template, &metrics, &pusher, range,
+        )
+        .await?;
         Ok(Arc::new(Self {
             loader,
+            pusher,
             settings,
             model_id,
             template,
@@ -86,6 +92,7 @@ impl Serving {
             &self.model_id,
             &template,
             &self.metrics,
+            &self.pusher,
             range,
         )
         .await
@@ -120,6 +127,7 @@ async fn build_context(
     model_id: &str,
     template: &pb::ServerRecord,
     metrics: &Arc<Metrics>,
+    pusher: &Pusher,
     range: BlockRange,
 ) -> Result<Arc<ServerContext>> {
     let loaded = {
@@ -151,14 +159,17 @@ async fn build_context(
         block_hashes: loaded.block_hashes,
         ..template.clone()
     };
-    Ok(Arc::new(ServerContext::with_metrics(
-        loaded.span,
-        model_id.to_string(),
-        Admission::new(settings.admission),
-        settings.limits,
-        record,
-        metrics.clone(),
-    )?))
+    Ok(Arc::new(
+        ServerContext::with_metrics(
+            loaded.span,
+            model_id.to_string(),
+            Admission::new(settings.admission),
+            settings.limits,
+            record,
+            metrics.clone(),
+        )?
+        .with_pusher(pusher.clone()),
+    ))
 }
 
 impl MetricsSource for Serving {

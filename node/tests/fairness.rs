@@ -60,6 +60,7 @@ fn step(session_id: u64, position: u32, tokens: usize) -> pb::Request {
             session_id,
             position,
             hidden: Some(to_wire(&t, pb::WireDType::F32).unwrap()),
+            ..Default::default()
         })),
     }
 }
@@ -148,6 +149,7 @@ async fn a_batch_larger_than_the_session_was_opened_for_is_refused() {
                     session_id: id,
                     position: 0,
                     hidden: Some(to_wire(&batch_of_two, pb::WireDType::F32).unwrap()),
+                    ..Default::default()
                 })),
             },
             &ctx,

@@ -170,6 +170,7 @@ fn write_corpus() {
                 &[1, tokens, 64],
                 dtype,
             )),
+            ..Default::default()
         }))
     };
     let close = |id| frame(request::Kind::Close(pb::CloseSession { session_id: id }));

@@ -35,6 +35,7 @@ fn step(session_id: u64, position: u32, hidden: pb::Tensor) -> pb::Request {
             session_id,
             position,
             hidden: Some(hidden),
+            ..Default::default()
         })),
     }
 }
@@ -139,6 +140,7 @@ async fn every_bad_request_gets_its_typed_error_and_the_session_survives() {
                     session_id: id,
                     position: 0,
                     hidden: None,
+                    ..Default::default()
                 })),
             },
             ErrorCode::BadRequest,
@@ -387,4 +389,60 @@ mod fuzz {
             })?;
         }
     }
+}
+
+/// Server-to-server push through the state machine: a push with the session's token feeds its awaiting step (whose
+/// answer carries the input it got), a forged token is refused, and a step whose push never comes times out with
+/// the session unchanged.
+#[tokio::test]
+async fn pushes_need_the_sessions_token_and_a_missing_push_changes_nothing() {
+    let ctx = context(1024, 8);
+    let mut client = StreamState::new(PeerId::random());
+    let response::Kind::Opened(o) = client.handle(open(&ctx, 0, 5, 16), &ctx).await else {
+        panic!("session not opened");
+    };
+    let (id, token) = (o.session_id, o.push_token);
+    assert_eq!(token.len(), 16, "a push token comes with every session");
+    let push = |token: Vec<u8>, position: u32| pb::Request {
+        kind: Some(request::Kind::Push(pb::Push {
+            session_id: id,
+            push_token: token,
+            position,
+            hidden: Some(hidden(1, 0.5)),
+        })),
+    };
+    let awaited = |position: u32, wait_ms: u32| pb::Request {
+        kind: Some(request::Kind::Step(pb::Step {
+            session_id: id,
+            position,
+            await_push: true,
+            push_wait_ms: wait_ms,
+            ..Default::default()
+        })),
+    };
+    // Another peer (the previous server) pushes on its own stream.
+    let mut previous = StreamState::new(PeerId::random());
+    let forged = previous.handle(push(vec![0; 16], 0), &ctx).await;
+    assert_eq!(code(&forged), Some(ErrorCode::UnknownSession));
+    // Nothing pushed: PUSH_TIMEOUT, and the session still takes position 0.
+    let reply = client.handle(awaited(0, 50), &ctx).await;
+    assert_eq!(code(&reply), Some(ErrorCode::PushTimeout));
+    let pushed = previous.handle(push(token.clone(), 0), &ctx).await;
+    assert!(matches!(pushed, response::Kind::Pushed(_)), "{pushed:?}");
+    match client.handle(awaited(0, 5000), &ctx).await {
+        response::Kind::Step(r) => {
+            assert_eq!(r.input.map(|t| t.data), Some(hidden(1, 0.5).data));
+            assert!(r.hidden.is_some());
+        }
+        other => panic!("pushed step failed: {other:?}"),
+    }
+    // The session moved on: position 1 is next, and a closed session takes no more pushes.
+    let reply = client.handle(step(id, 1, hidden(1, 0.25)), &ctx).await;
+    assert!(matches!(reply, response::Kind::Step(_)), "{reply:?}");
+    let close = pb::Request {
+        kind: Some(request::Kind::Close(pb::CloseSession { session_id: id })),
+    };
+    client.handle(close, &ctx).await;
+    let late = previous.handle(push(token, 2), &ctx).await;
+    assert_eq!(code(&late), Some(ErrorCode::UnknownSession));
 }

@@ -40,6 +40,7 @@ fn step(session_id: u64, position: u32, tokens: usize) -> pb::Request {
             session_id,
             position,
             hidden: Some(to_wire(&t, pb::WireDType::F32).unwrap()),
+            ..Default::default()
         })),
     }
 }

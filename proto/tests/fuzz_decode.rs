@@ -64,6 +64,7 @@ proptest! {
             session_id: session,
             position,
             hidden: Some(petal_proto::tensor::from_f32(&vec![0.5; n], &[1, 1, n], pb::WireDType::F16)),
+            ..Default::default()
         })) };
         let mut buf = encode_frame(&req).to_vec();
         check(&buf, 1024);

@@ -7,19 +7,15 @@ in $PETAL_SCREENSHOTS. Every wait is bounded.
 """
 
 import os
-import shutil
 import signal
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from selenium import webdriver
-from selenium.webdriver.chrome.options import Options
-from selenium.webdriver.chrome.service import Service
+from conftest import wait
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
-from selenium.webdriver.support.ui import WebDriverWait
 
 URL = os.environ.get("PETAL_PAGE_URL")
 SHOTS = Path(os.environ.get("PETAL_SCREENSHOTS", "target/browser"))
@@ -27,36 +23,6 @@ MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1"
 QUESTION = "What is the capital of France?"
 # Through a 2-node swarm on 2 cores SmolLM2 answers this in about a second; the bound is for slow CI machines.
 ANSWER_TIMEOUT = 120
-POLL = 0.1
-
-
-def executable(*names):
-    for name in names:
-        path = shutil.which(name)
-        if path:
-            return path
-    pytest.fail(f"none of {names} found: apt-get install chromium chromium-driver")
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not URL:
-        pytest.fail("PETAL_PAGE_URL is not set: run scripts/test-browser")
-    options = Options()
-    options.binary_location = executable("chromium", "chromium-browser")
-    for arg in ["--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1280,800", "--force-device-scale-factor=1", "--lang=en-US"]:
-        options.add_argument(arg)
-    # The driver from Debian's chromium-driver: selenium must not look for (or download) another one.
-    driver = webdriver.Chrome(service=Service(executable_path=executable("chromedriver")), options=options)
-    driver.set_page_load_timeout(30)
-    driver.set_script_timeout(30)
-    yield driver
-    driver.quit()
-
-
-def wait(driver, seconds, condition, message):
-    return WebDriverWait(driver, seconds, poll_frequency=POLL).until(condition, message)
 
 
 def set_field(driver, element_id, value):
@@ -84,6 +50,8 @@ def ask(driver, text):
 
 
 def test_question_streams_an_answer_with_its_route(browser):
+    if not URL:
+        pytest.fail("PETAL_PAGE_URL is not set: run scripts/test-browser")
     browser.get(URL)
     wait(browser, 30, lambda d: d.find_element(By.ID, "model").text == MODEL_NAME,
          "the page did not show the model's name (GET /v1/models)")

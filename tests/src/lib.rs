@@ -650,6 +650,34 @@ impl Swarm {
     }
 }
 
+impl Swarm {
+    /// SIGKILLs the node named `name` and waits for it to exit; returns its blocks.
+    pub fn kill(&mut self, name: &str) -> String {
+        let node = self
+            .nodes
+            .iter_mut()
+            .find(|n| n.spec.name == name)
+            .unwrap_or_else(|| panic!("no node named {name}"));
+        node.proc.sigkill();
+        assert!(node.proc.wait_exit(Duration::from_secs(5)).is_some());
+        node.spec.blocks.clone()
+    }
+}
+
+/// The JSON line a background `petal generate --json` ([`Generate::spawn`]) prints at its end (waiting up to
+/// `timeout`), and its tokens.
+pub fn spawned_json(client: &mut Proc, timeout: Duration) -> (Value, Vec<u32>) {
+    let line = client.wait_for_line("JSON", timeout, |l| l.starts_with('{'));
+    let v: Value = serde_json::from_str(&line).expect("JSON from petal generate");
+    let tokens = v["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .filter_map(|t| t.as_u64().map(|t| t as u32))
+        .collect();
+    (v, tokens)
+}
+
 impl Drop for Swarm {
     fn drop(&mut self) {
         if thread::panicking() {
@@ -751,6 +779,31 @@ impl Generate {
             cmd.env(k, v);
         }
         Proc::spawn(name, cmd)
+    }
+
+    /// Starts it in the background logging `session opened` (RUST_LOG=petal_client=info), waits (60 s at most)
+    /// until it has, and returns the process and the route's node names in order: `route=node1(…)[0..10] ->
+    /// node2(…)[10..20]` gives `["node1", "node2"]`. For tests that kill a hop mid-generation.
+    pub fn spawn_routed(&self, name: &str) -> (Proc, Vec<String>) {
+        let client = self.spawn(name, &[("RUST_LOG", "petal_client=info")]);
+        assert!(
+            poll_until(Duration::from_secs(60), Duration::from_millis(10), || {
+                client.stderr_log().contains("session opened")
+            })
+            .is_some(),
+            "no session opened\n{}",
+            client.report()
+        );
+        let log = client.stderr_log();
+        let route = log
+            .lines()
+            .find_map(|l| l.split("route=").nth(1))
+            .unwrap_or_default();
+        let hops = route
+            .split(" -> ")
+            .map(|h| h.split('(').next().unwrap_or("").trim().to_string())
+            .collect();
+        (client, hops)
     }
 
     /// Runs it, whatever the outcome.

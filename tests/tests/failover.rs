@@ -10,10 +10,12 @@ const PROMPT: &str = "Once upon a time";
 #[test]
 fn stale_record_of_killed_node_is_routed_around() {
     let model = stories_bin();
+    // Equal announced speeds: the route's cost is then its hops, whatever each node measures on a busy machine.
+    let same_speed = ["--throughput", "1000"];
     let mut swarm = Swarm::builder()
-        .node(&model, "0..5")
-        .node(&model, "0..2")
-        .node(&model, "2..5")
+        .node_with(&model, "0..5", &same_speed)
+        .node_with(&model, "0..2", &same_speed)
+        .node_with(&model, "2..5", &same_speed)
         .start();
     let whole = swarm.nodes[0].peer_id.clone();
 
@@ -89,54 +91,18 @@ fn kill_9_mid_generation_ten_times() {
 
     let mut failover_ms = vec![];
     for run in 0..RUNS {
-        let mut client = swarm
+        let (mut client, hops) = swarm
             .generate(&model, prompt)
             .max_new_tokens(64)
             .ignore_eos()
-            .spawn(
-                &format!("generate{run}"),
-                &[("RUST_LOG", "petal_client=info")],
-            );
-        assert!(
-            poll_until(Duration::from_secs(60), Duration::from_millis(10), || {
-                client.stderr_log().contains("session opened")
-            })
-            .is_some(),
-            "no session opened\n{}",
-            client.report()
-        );
-        // The route as logged: `route=node1(…)[0..15] -> node4(…)[15..30]`.
-        let log = client.stderr_log();
-        let route_line = log
-            .lines()
-            .find(|l| l.contains("session opened"))
-            .unwrap_or_default();
-        let route = route_line.split("route=").nth(1).unwrap_or_default();
-        let hops: Vec<&str> = route
-            .split(" -> ")
-            .map(|h| h.split('(').next().unwrap_or("").trim())
-            .collect();
-        assert_eq!(hops.len(), 2, "unexpected route {route_line:?}");
+            .spawn_routed(&format!("generate{run}"));
+        assert_eq!(hops.len(), 2, "unexpected route {hops:?}");
         // Kill points spread over the generation, alternating between the first and the last hop.
-        let victim_name = hops[run % 2].to_string();
+        let victim_name = hops[run % 2].clone();
         std::thread::sleep(Duration::from_millis(100 + 150 * run as u64));
-        let victim = swarm
-            .nodes
-            .iter_mut()
-            .find(|n| n.spec.name == victim_name)
-            .unwrap_or_else(|| panic!("route names unknown node {victim_name}"));
-        let blocks = victim.spec.blocks.clone();
-        victim.proc.sigkill();
-        assert!(victim.proc.wait_exit(Duration::from_secs(5)).is_some());
+        let blocks = swarm.kill(&victim_name);
 
-        let line = client.wait_for_line("JSON", Duration::from_secs(120), |l| l.starts_with('{'));
-        let v: serde_json::Value = serde_json::from_str(&line).expect("JSON from petal generate");
-        let tokens: Vec<u32> = v["tokens"]
-            .as_array()
-            .expect("tokens")
-            .iter()
-            .filter_map(|t| t.as_u64().map(|t| t as u32))
-            .collect();
+        let (_, tokens) = spawned_json(&mut client, Duration::from_secs(120));
         assert_eq!(
             tokens,
             local.tokens,

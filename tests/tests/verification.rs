@@ -49,6 +49,7 @@ fn serve_noisy(net: &Network) -> tokio::task::JoinHandle<()> {
                                     end_block: 5,
                                     dtype: pb::WireDType::F32 as i32,
                                     max_length: open.max_length,
+                                    ..Default::default()
                                 })),
                             }
                         }
@@ -73,6 +74,7 @@ fn serve_noisy(net: &Network) -> tokio::task::JoinHandle<()> {
                                             .expect("wire"),
                                         ),
                                         compute_micros: started.elapsed().as_micros() as u64,
+                                        ..Default::default()
                                     })),
                                 }
                             }

@@ -6,21 +6,26 @@
 mod verify;
 
 use crate::error::{ClientError, Result};
-use crate::hop::HopClient;
+use crate::hop::{HopClient, PushInput};
 use crate::router::Hop;
 use crate::swarm::SwarmClient;
 use crate::verification::{Numerics, VerifyPolicy, VerifyTally};
 use candle_core::Tensor;
-use petal_model::compute::wire::from_wire;
+use petal_model::compute::wire::{from_wire, to_wire};
 use petal_model::BlockRange;
 use petal_proto::pb;
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 /// Bound on reaching a server again after its connection broke: long enough for a relayed connection and the
 /// hole-punching attempt that follows it (up to 5 s), short enough that a dead server does not hold up its
 /// replacement for long.
 const RECONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a hop waits for its input from the previous hop of a pushed step before the client drives it: what a
+/// dead hop costs the ones after it. Far above a decode step's time on a healthy hop; a hop that is merely slow
+/// only makes that one step client-driven.
+const PUSH_WAIT: Duration = Duration::from_secs(5);
 
 /// Timeouts and retry limits of a chain session.
 #[derive(Debug, Clone)]
@@ -37,6 +42,9 @@ pub struct ChainConfig {
     pub failover_budget: Duration,
     /// Which hop steps are checked on a second server ([`crate::verification`]).
     pub verify: VerifyPolicy,
+    /// Decode steps go server to server: the client sends each to the first hop, every hop pushes its output to
+    /// the next, and each answers the client too (for replay). Off: the client drives every hop.
+    pub push: bool,
 }
 
 impl Default for ChainConfig {
@@ -47,6 +55,7 @@ impl Default for ChainConfig {
             discovery_timeout: Duration::from_secs(20),
             failover_budget: Duration::from_secs(90),
             verify: VerifyPolicy::default(),
+            push: true,
         }
     }
 }
@@ -107,6 +116,9 @@ pub struct HopTiming {
     /// The server's compute time for the step, as it reports it.
     #[serde(serialize_with = "crate::serde_ms")]
     pub compute: Duration,
+    /// Whether the step's input reached this hop server to server (pushed by the previous hop, or sent with the
+    /// route's rest when first).
+    pub pushed: bool,
 }
 
 /// One hop of the route as it is now, for reports (`petal generate --json`).
@@ -129,6 +141,9 @@ pub struct ChainSession {
     config: ChainConfig,
     failovers: Vec<Failover>,
     verification: VerifyTally,
+    /// Set when pushes between this route's servers did not arrive although every server was fine (no path
+    /// between them, say): the session's later steps are client-driven.
+    push_broken: bool,
 }
 
 impl ChainSession {
@@ -150,6 +165,7 @@ impl ChainSession {
             config,
             failovers: vec![],
             verification: VerifyTally::default(),
+            push_broken: false,
         };
         let whole = BlockRange::new(0, num_blocks);
         session.links = session.open_chain(whole, HashSet::new(), false).await?;
@@ -257,15 +273,159 @@ impl ChainSession {
     }
 
     /// Runs `hidden` (`[batch, tokens, hidden]`) for the next positions through every hop and returns the last
-    /// hop's output with each hop's timing, replacing failed servers on the way.
+    /// hop's output with each hop's timing, replacing failed servers on the way. Single-token steps go server to
+    /// server when every hop takes pushes and none is drawn for a check ([`ChainConfig::push`]).
     pub async fn step(&mut self, hidden: &Tensor) -> Result<(Tensor, Vec<HopTiming>)> {
         let tokens = hidden.dim(1).map_err(petal_model::ModelError::from)?;
-        let mut x = hidden.clone();
-        let mut timings = Vec::with_capacity(self.links.len());
-        let mut hop = 0;
         let deadline = Instant::now() + self.config.failover_budget;
         let timeout = self.config.timeout_for(tokens);
-        while hop < self.links.len() {
+        let draws: VecDeque<bool> = (0..self.links.len())
+            .map(|_| self.config.verify.draw())
+            .collect();
+        let end = self.links.len();
+        let (x, timings) = match self.push_targets(tokens, &draws) {
+            Some(targets) => self.step_pushed(hidden, targets, timeout, deadline).await?,
+            None => {
+                let mut timings = Vec::with_capacity(end);
+                let (x, _) = self
+                    .drive(
+                        0,
+                        end,
+                        hidden.clone(),
+                        &mut timings,
+                        draws,
+                        timeout,
+                        deadline,
+                    )
+                    .await?;
+                (x, timings)
+            }
+        };
+        self.position += tokens;
+        Ok((x, timings))
+    }
+
+    /// Each hop's push target, if this step can go server to server: a decode step, through two hops or more that
+    /// all take pushes in one wire dtype, none of them drawn for a check (a check may replace a hop's answer, which
+    /// the next hop would already have used).
+    fn push_targets(&self, tokens: usize, draws: &VecDeque<bool>) -> Option<Vec<pb::PushTarget>> {
+        if !self.config.push
+            || self.push_broken
+            || tokens != 1
+            || self.links.len() < 2
+            || draws.iter().any(|d| *d)
+        {
+            return None;
+        }
+        let dtype = self.links[0].hop.wire_dtype();
+        if self.links.iter().any(|l| l.hop.wire_dtype() != dtype) {
+            return None;
+        }
+        self.links.iter().map(|l| l.hop.push_target()).collect()
+    }
+
+    /// One step server to server: the input to the first hop with the next hop's push target, every other hop
+    /// told to await its input from the previous one; all answer at once. Hops that failed, and the ones after them
+    /// that got no input, are then driven by the client from the output before them (replacing failed servers), so
+    /// the result is what a client-driven step gives.
+    async fn step_pushed(
+        &mut self,
+        hidden: &Tensor,
+        targets: Vec<pb::PushTarget>,
+        timeout: Duration,
+        deadline: Instant,
+    ) -> Result<(Tensor, Vec<HopTiming>)> {
+        let position = self.position;
+        let shape = hidden.dims().to_vec();
+        let push_wait = PUSH_WAIT.min(timeout / 2);
+        let first = to_wire(hidden, self.links[0].hop.wire_dtype())?;
+        let steps = self.links.iter_mut().enumerate().map(|(i, link)| {
+            let input = if i == 0 {
+                PushInput::Sent(first.clone())
+            } else {
+                PushInput::Awaited {
+                    shape: shape.clone(),
+                    wait: push_wait,
+                }
+            };
+            link.hop
+                .step_push(input, position, targets.get(i + 1).cloned(), timeout)
+        });
+        let results = futures::future::join_all(steps).await;
+        let timed_out = results
+            .iter()
+            .filter(|r| r.as_ref().is_err_and(ClientError::is_push_timeout))
+            .count();
+        let only_timeouts = results.iter().all(|r| match r {
+            Ok(_) => true,
+            Err(e) => e.is_push_timeout(),
+        });
+        if timed_out > 0 && only_timeouts {
+            // Every server answered, yet pushes did not arrive: they cannot reach each other.
+            tracing::warn!(
+                timed_out,
+                "servers of this route cannot push to each other; driving its steps from here"
+            );
+            self.push_broken = true;
+        }
+        let mut x = hidden.clone();
+        let mut timings = Vec::with_capacity(results.len());
+        let mut hop = 0;
+        for result in results {
+            match result {
+                Ok(out) => {
+                    self.links[hop].history.push((position as u32, out.sent));
+                    timings.push(HopTiming {
+                        round_trip: out.round_trip,
+                        compute: out.compute,
+                        pushed: true,
+                    });
+                    let (checked, links) = self.check(hop, out.hidden, position, false).await?;
+                    x = checked;
+                    hop += links;
+                }
+                Err(e) if e.is_push_timeout() || e.is_retryable() => {
+                    // Not pushed (the hop before failed) or failed itself: drive it from the output before it.
+                    // A hop after it that did get a push used the failed hop's real output, and its own answer
+                    // stands (it carries the input it got).
+                    if !e.is_push_timeout() {
+                        tracing::info!(error = %e, "a pushed step failed; the client drives the hop");
+                    }
+                    let (out, end) = self
+                        .drive(
+                            hop,
+                            hop + 1,
+                            x,
+                            &mut timings,
+                            VecDeque::new(),
+                            timeout,
+                            deadline,
+                        )
+                        .await?;
+                    x = out;
+                    hop = end;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok((x, timings))
+    }
+
+    /// Runs `x` through links `hop..end` in order, the client sending each its input, replacing failed servers
+    /// (which moves `end` by the links that replaced them); checks the steps drawn in `draws` (one per link,
+    /// drawn afresh when it runs out). Returns the output and the new `end`.
+    #[allow(clippy::too_many_arguments)]
+    async fn drive(
+        &mut self,
+        mut hop: usize,
+        mut end: usize,
+        mut x: Tensor,
+        timings: &mut Vec<HopTiming>,
+        mut draws: VecDeque<bool>,
+        timeout: Duration,
+        deadline: Instant,
+    ) -> Result<(Tensor, usize)> {
+        while hop < end {
             let link = &mut self.links[hop];
             match link.hop.step(&x, self.position, timeout).await {
                 Ok(out) => {
@@ -273,23 +433,29 @@ impl ChainSession {
                     timings.push(HopTiming {
                         round_trip: out.round_trip,
                         compute: out.compute,
+                        pushed: false,
                     });
                     // Fed to the hop's shadow, and checked when drawn. On a proven lie the hop is replaced by the
                     // chain that outvoted it (it may have several links) and the answer by that chain's.
-                    let drawn = self.config.verify.draw();
+                    let drawn = draws
+                        .pop_front()
+                        .unwrap_or_else(|| self.config.verify.draw());
+                    let before = self.links.len();
                     let (checked, links) =
                         self.check(hop, out.hidden, self.position, drawn).await?;
+                    end = end + self.links.len() - before;
                     x = checked;
                     hop += links;
                 }
                 Err(e) if e.is_retryable() && Instant::now() < deadline => {
+                    let before = self.links.len();
                     self.replace(hop, e, deadline).await?;
+                    end = end + self.links.len() - before;
                 }
                 Err(e) => return Err(e),
             }
         }
-        self.position += tokens;
-        Ok((x, timings))
+        Ok((x, end))
     }
 
     /// Replaces hop `i` by a new chain over its blocks and replays its history there, trying other servers until

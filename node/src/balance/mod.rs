@@ -64,13 +64,10 @@ pub async fn run(serving: Arc<Serving>, net: Network, config: BalanceConfig, dra
         let current = ctx.span.range();
         let own = f64::from(ctx.record().throughput_tokens_per_sec);
         drop(ctx);
-        let others = match others_throughput(&net, &model_id, num_blocks).await {
-            Ok(t) => t,
-            Err(NetError::Closed) => return,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot see the swarm; staying");
-                continue;
-            }
+        let others = match look(&net, &model_id, num_blocks).await {
+            Look::Seen(t) => t,
+            Look::Failed => continue,
+            Look::Closed => return,
         };
         let Some((target, gain)) = balancer.decide(origin.elapsed(), &others, current, own) else {
             tracing::debug!(blocks = %current, "balanced: staying");
@@ -85,13 +82,10 @@ pub async fn run(serving: Arc<Serving>, net: Network, config: BalanceConfig, dra
             }
         };
         // Others may have moved while the span loaded (into the same gap, or out of the blocks left behind).
-        let others = match others_throughput(&net, &model_id, num_blocks).await {
-            Ok(t) => t,
-            Err(NetError::Closed) => return,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot see the swarm; staying");
-                continue;
-            }
+        let others = match look(&net, &model_id, num_blocks).await {
+            Look::Seen(t) => t,
+            Look::Failed => continue,
+            Look::Closed => return,
         };
         if !balancer.still_worth(&others, current, target, own) {
             tracing::info!(blocks = %target, "the swarm changed while loading; the move is no longer worth it");
@@ -99,5 +93,26 @@ pub async fn run(serving: Arc<Serving>, net: Network, config: BalanceConfig, dra
         }
         serving.switch_to(next, drain).await;
         balancer.moved(origin.elapsed());
+    }
+}
+
+/// One look at the swarm by the balancer.
+enum Look {
+    /// The other servers' per-block throughput.
+    Seen(Vec<f64>),
+    /// The lookup failed (logged): stay put this round.
+    Failed,
+    /// The network is gone: the balancer ends.
+    Closed,
+}
+
+async fn look(net: &Network, model_id: &str, num_blocks: usize) -> Look {
+    match others_throughput(net, model_id, num_blocks).await {
+        Ok(t) => Look::Seen(t),
+        Err(NetError::Closed) => Look::Closed,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot see the swarm; staying");
+            Look::Failed
+        }
     }
 }

@@ -70,6 +70,7 @@ fn all_requests() -> Vec<pb::Request> {
             session_id: 42,
             position: 17,
             hidden: Some(hidden()),
+            ..Default::default()
         }),
         request::Kind::Close(pb::CloseSession { session_id: 42 }),
         request::Kind::Info(pb::InfoRequest {}),
@@ -88,12 +89,14 @@ fn all_responses() -> Vec<pb::Response> {
             end_block: 7,
             dtype: pb::WireDType::F16 as i32,
             max_length: 512,
+            ..Default::default()
         }),
         response::Kind::Step(pb::StepResult {
             session_id: 42,
             position: 17,
             hidden: Some(hidden()),
             compute_micros: 1234,
+            ..Default::default()
         }),
         response::Kind::Closed(pb::SessionClosed { session_id: 42 }),
         response::Kind::Extended(pb::SessionExtended {
@@ -357,6 +360,7 @@ fn stream_send_counts_bytes_and_refuses_oversized() {
             session_id: 1,
             position: 0,
             hidden: Some(from_f32(&[1.0; 64], &[1, 1, 64], pb::WireDType::F32)),
+            ..Default::default()
         })),
     };
     block_on(async {
@@ -445,6 +449,7 @@ fn stream_body_larger_than_first_chunk() {
             session_id: 5,
             position: 0,
             hidden: Some(from_f32(&values, &[1, 1, n], pb::WireDType::F32)),
+            ..Default::default()
         })),
     };
     let mut s = FramedStream::new(Cursor::new(encode_frame(&req).to_vec()), DEFAULT_MAX);
@@ -467,6 +472,7 @@ async fn duplex_request_response_exchange() {
                         position: step.position,
                         hidden: step.hidden,
                         compute_micros: 1,
+                        ..Default::default()
                     })),
                 },
                 _ => pb::Response::error(pb::ErrorCode::BadRequest, "only steps here"),
@@ -488,6 +494,7 @@ async fn duplex_request_response_exchange() {
                 &[1, 1, 700],
                 pb::WireDType::Bf16,
             )),
+            ..Default::default()
         };
         client
             .send(&pb::Request {
@@ -579,6 +586,7 @@ async fn streams_sharing_a_budget_wait_for_each_other() {
                 &[1, 1, 40_000],
                 pb::WireDType::F32,
             )),
+            ..Default::default()
         })),
     };
     let frame = encode_frame(&request);

@@ -80,6 +80,7 @@ fn measure_serialisation(hidden_size: usize, dtype: DType) -> Result<WireCost> {
                 position: 0,
                 // The session keeps a copy of every input for replay; clone as it does.
                 hidden: Some(w.clone()),
+                ..Default::default()
             })),
         };
         let frame = encode_frame(&req);
@@ -93,6 +94,7 @@ fn measure_serialisation(hidden_size: usize, dtype: DType) -> Result<WireCost> {
                 position: 0,
                 hidden: Some(to_wire(&x, wd)?),
                 compute_micros: 0,
+                input: None,
             })),
         };
         let back = encode_frame(&resp);
@@ -199,6 +201,7 @@ async fn echo_steps(stream: petal_p2p::Stream) {
                 position: 0,
                 hidden,
                 compute_micros: 0,
+                input: None,
             })),
         };
         if framed.send(&reply).await.is_err() {

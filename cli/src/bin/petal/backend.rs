@@ -42,6 +42,10 @@ pub struct ModelArgs {
     /// drawn at random (0.05 or 5%), `all`, or `off`. A server outvoted by two that agree is banned and replaced.
     #[arg(long, default_value_t = VerifyPolicy::default(), value_name = "RATE|all|off")]
     pub verify: VerifyPolicy,
+    /// Drive every hop from here instead of letting servers push decode steps to each other (each token then
+    /// crosses two links per hop instead of one).
+    #[arg(long)]
+    pub no_push: bool,
 }
 
 /// A loaded model: the generator, its tokenizer, and the swarm membership to shut down at the end.
@@ -76,6 +80,7 @@ impl ModelArgs {
         let config = ChainConfig {
             discovery_timeout: self.discovery_timeout,
             verify: self.verify,
+            push: !self.no_push,
             ..ChainConfig::default()
         };
         Ok(Loaded {

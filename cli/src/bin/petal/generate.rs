@@ -58,6 +58,13 @@ fn print_output(output: &GenerationOutput, swarm: Option<&Cost>, json: bool) -> 
             obj.insert("route".into(), serde_json::json!(cost.route));
             obj.insert("hops".into(), serde_json::to_value(&cost.hops)?);
             obj.insert("failovers".into(), serde_json::to_value(&cost.failovers)?);
+            // Steps whose input went server to server (decode steps, unless --no-push or drawn for a check).
+            let pushed = cost
+                .steps
+                .iter()
+                .filter(|s| s.hops.len() > 1 && s.hops.iter().all(|h| h.pushed))
+                .count();
+            obj.insert("pushed_steps".into(), serde_json::json!(pushed));
             obj.insert(
                 "verification".into(),
                 serde_json::to_value(&cost.verification)?,

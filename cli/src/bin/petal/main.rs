@@ -1,11 +1,12 @@
-//! `petal`: generate text locally or through a swarm, chat, serve an OpenAI-compatible API, list the swarm, or run
-//! a whole local swarm as a demo.
+//! `petal`: generate text locally or through a swarm, chat, serve an OpenAI-compatible API, list or monitor the
+//! swarm, or run a whole local swarm as a demo.
 mod api;
 mod args;
 mod backend;
 mod chat;
 mod demo;
 mod generate;
+mod monitor;
 mod swarm;
 
 use clap::{Parser, Subcommand};
@@ -37,6 +38,8 @@ enum Command {
     Api(api::ApiArgs),
     /// Chat in the terminal: one line per message, the conversation kept in one session.
     Chat(chat::ChatArgs),
+    /// Serve a page showing the swarm's health: coverage per block, servers, throughput, load.
+    Monitor(monitor::MonitorArgs),
 }
 
 fn main() -> ExitCode {
@@ -49,6 +52,7 @@ fn main() -> ExitCode {
             Command::Demo(a) => demo::run(a).await,
             Command::Api(a) => api::run(a).await,
             Command::Chat(a) => chat::run(a).await,
+            Command::Monitor(a) => monitor::run(a).await,
         }
     })
 }
