@@ -157,3 +157,84 @@ fn nodes_choose_their_blocks_and_move_to_cover_a_gap() {
         .run_json();
     assert_same_tokens("after a move", &remote, &local);
 }
+
+/// A node that moves while a generation holds a session on its old span: the session drains, its stream is closed,
+/// and the client replays elsewhere; the tokens are the local run's. stories260K (5 blocks): node1 chooses 0..3 and
+/// is the fast server of it, node2 serves 3..5, node3 0..3 too, slowly. Killing node2 mid-generation leaves 3..5
+/// uncovered, so node1 moves to 2..5 while the client's session for 0..3 is still on it.
+#[test]
+fn a_move_drains_live_sessions_and_their_clients_replay_elsewhere() {
+    let model = stories_bin();
+    let mut swarm = Swarm::builder().record_ttl(TTL_SECS).start();
+    swarm.add_node(
+        &model,
+        "",
+        &[
+            "--num-blocks",
+            "3",
+            "--throughput",
+            "10000",
+            "--balance-period",
+            "2",
+            "--drain-timeout",
+            "1",
+        ],
+    );
+    assert_eq!(serving_line_blocks(&swarm.nodes[0]), "0..3");
+    // 3..5 first: with it uncovered, node1 would move there as soon as node2 doubled 0..3.
+    swarm.add_node(&model, "3..5", &["--throughput", "10000"]);
+    swarm.add_node(&model, "0..3", &["--throughput", "10"]);
+    let listed = poll_until(Duration::from_secs(20), Duration::from_millis(250), || {
+        swarm.records().len() == 3
+    });
+    assert!(
+        listed.is_some(),
+        "3 servers never listed\n{}",
+        swarm.report()
+    );
+
+    let prompt = "Once upon a time";
+    let local = Generate::new(&model, prompt)
+        .local()
+        .max_new_tokens(400)
+        .ignore_eos()
+        .run_json();
+    let (mut client, hops) = swarm
+        .generate(&model, prompt)
+        .max_new_tokens(400)
+        .ignore_eos()
+        .args(&["--verify", "off"])
+        .spawn_routed("generate");
+    assert_eq!(hops, ["node1", "node2"], "the fast chain is taken");
+    std::thread::sleep(Duration::from_millis(300));
+    swarm.kill("node2");
+
+    let (v, tokens) = spawned_json(&mut client, Duration::from_secs(120));
+    assert_eq!(
+        tokens,
+        local.tokens,
+        "output differs after the move\n{}",
+        client.report()
+    );
+    let moved = spans(&swarm.records());
+    assert!(
+        moved
+            .iter()
+            .any(|(n, s, e)| n == "node1" && (*s, *e) == (2, 5)),
+        "node1 moved to cover 3..5: {moved:?}"
+    );
+    let failed: Vec<&str> = v["failovers"]
+        .as_array()
+        .map(|f| f.iter().filter_map(|x| x["failed_peer"].as_str()).collect())
+        .unwrap_or_default();
+    assert!(
+        failed.contains(&swarm.nodes[0].peer_id.as_str()),
+        "the session on node1's old span was closed and replayed elsewhere: {failed:?}\n{}",
+        client.report()
+    );
+    assert!(
+        swarm.nodes[0].proc.stderr_log().contains("span retired"),
+        "node1 closed the old span's stream\n{}",
+        swarm.report()
+    );
+}

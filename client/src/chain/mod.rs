@@ -212,8 +212,7 @@ impl ChainSession {
                         Err(e) if e.is_retryable() && Instant::now() < deadline => {
                             tracing::warn!(%peer, error = %e, "server refused or failed to open a session; routing around it");
                             client.ban(&peer);
-                            if banned.contains(&peer) {
-                                // It was chosen although banned, for want of others, and failed again.
+                            if banned.contains(&peer) && !pause_to_replan(deadline).await {
                                 return Err(e);
                             }
                             continue 'plan;
@@ -519,9 +518,9 @@ impl ChainSession {
                     return Ok(());
                 }
                 Err((hop, e)) if e.is_retryable() && Instant::now() < deadline => {
-                    let peer = fresh[hop].hop.hop().peer_id();
-                    self.client.ban(peer);
-                    if banned.contains(peer) {
+                    let peer = fresh[hop].hop.hop().peer_id().to_string();
+                    self.client.ban(&peer);
+                    if banned.contains(&peer) && !pause_to_replan(deadline).await {
                         return Err(e);
                     }
                 }
@@ -564,6 +563,21 @@ impl ChainSession {
             link.hop.close(self.config.step_timeout).await;
         }
     }
+}
+
+/// How long to wait before planning again when the only servers left for some blocks are banned ones that failed
+/// again: the swarm may be healing (a dead server's record expiring, a node moving to those blocks).
+const REPLAN_PAUSE: Duration = Duration::from_secs(1);
+
+/// A server chosen although banned, for want of others, failed again: pauses before the caller plans again, or
+/// says there is no time left before `deadline` (the caller then gives up with the error).
+async fn pause_to_replan(deadline: Instant) -> bool {
+    if Instant::now() + REPLAN_PAUSE >= deadline {
+        return false;
+    }
+    tracing::info!("no other server for these blocks yet; looking again shortly");
+    tokio::time::sleep(REPLAN_PAUSE).await;
+    true
 }
 
 /// Opens a session on `hop`. A stream that breaks while opening is no reason to ban the server (a stale
