@@ -98,6 +98,16 @@ impl ServerContext {
         self
     }
 
+    /// Refuses new sessions and waits, at most `within`, until the open ones have ended. `false`: some are still
+    /// open.
+    pub async fn drain(&self, within: Duration) -> bool {
+        self.admission.drain();
+        let mut usage = self.admission.subscribe();
+        tokio::time::timeout(within, usage.wait_for(|u| u.sessions == 0))
+            .await
+            .is_ok_and(|changed| changed.is_ok())
+    }
+
     /// Ends every stream still open on this span (the node serves another now): their sessions' clients replay
     /// elsewhere.
     pub fn retire(&self) {

@@ -366,10 +366,7 @@ impl Node {
         if let Err(e) = self.announcer.withdraw().await {
             tracing::warn!(error = %e, "could not withdraw the DHT record; it expires by itself");
         }
-        let deadline = tokio::time::Instant::now() + drain;
-        while ctx.admission.usage().sessions > 0 && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        ctx.drain(drain).await;
         self.accept_task.abort();
         if let Some(task) = &self.metrics_task {
             task.abort();

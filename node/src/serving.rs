@@ -104,11 +104,7 @@ impl Serving {
         let range = next.span.range();
         let old = self.current.send_replace(next);
         tracing::info!(from = %old.span.range(), to = %range, "now serving the new span; draining the old one");
-        old.admission.drain();
-        let deadline = tokio::time::Instant::now() + drain;
-        let mut usage = old.admission.subscribe();
-        let drained = tokio::time::timeout_at(deadline, usage.wait_for(|u| u.sessions == 0)).await;
-        if drained.is_err() {
+        if !old.drain(drain).await {
             tracing::info!(
                 sessions = old.admission.usage().sessions,
                 "drain time over: closing the old span's streams; their clients replay elsewhere"

@@ -14,6 +14,32 @@ impl pb::Response {
     }
 }
 
+impl pb::ServerRecord {
+    /// AutoNAT's verdict as announced: public, private or unknown (also for records that predate it).
+    pub fn reachability_status(&self) -> &str {
+        if self.reachability.is_empty() {
+            "unknown"
+        } else {
+            &self.reachability
+        }
+    }
+
+    /// The name of the dtype its hidden states travel in ("?" for one this build does not know).
+    pub fn wire_dtype_name(&self) -> &'static str {
+        pb::WireDType::try_from(self.dtype)
+            .map(|d| d.name())
+            .unwrap_or("?")
+    }
+
+    /// Its devices as `device[start..end]`, in block order.
+    pub fn device_spans(&self) -> Vec<String> {
+        self.devices
+            .iter()
+            .map(|d| format!("{}[{}..{}]", d.device, d.start_block, d.end_block))
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

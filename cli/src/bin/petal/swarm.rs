@@ -56,19 +56,14 @@ pub async fn run(args: SwarmArgs) -> anyhow::Result<()> {
         "REACHABILITY"
     );
     for s in &servers {
-        let devices: Vec<String> = s
-            .devices
-            .iter()
-            .map(|d| format!("{}[{}..{}]", d.device, d.start_block, d.end_block))
-            .collect();
         println!(
             "{:<40} {:<54} {:<10} {:>7} {:<5} {:<22} {:>9.1} {:>11} {:<13}",
             s.model_id,
             s.peer_id,
             s.public_name,
             format!("{}..{}", s.start_block, s.end_block),
-            dtype_name(s.dtype),
-            devices.join(","),
+            s.wire_dtype_name(),
+            s.device_spans().join(","),
             s.throughput_tokens_per_sec,
             s.cache_tokens_free,
             reachability(s)
@@ -79,20 +74,12 @@ pub async fn run(args: SwarmArgs) -> anyhow::Result<()> {
 
 /// AutoNAT's verdict, with "+relay" when the server relays for others.
 fn reachability(s: &pb::ServerRecord) -> String {
-    let status = if s.reachability.is_empty() {
-        "unknown"
-    } else {
-        &s.reachability
-    };
+    let status = s.reachability_status();
     if s.relay {
         format!("{status}+relay")
     } else {
         status.to_string()
     }
-}
-
-fn dtype_name(d: i32) -> &'static str {
-    pb::WireDType::try_from(d).map(|d| d.name()).unwrap_or("?")
 }
 
 fn record_json(s: &pb::ServerRecord) -> serde_json::Value {
@@ -105,13 +92,13 @@ fn record_json(s: &pb::ServerRecord) -> serde_json::Value {
         "addrs": s.addrs,
         "start_block": s.start_block,
         "end_block": s.end_block,
-        "dtype": dtype_name(s.dtype),
+        "dtype": s.wire_dtype_name(),
         "quantization": s.quantization,
         "throughput_tokens_per_sec": s.throughput_tokens_per_sec,
         "cache_tokens_free": s.cache_tokens_free,
         "cache_tokens_total": s.cache_tokens_total,
         "sessions_open": s.sessions_open,
-        "reachability": if s.reachability.is_empty() { "unknown" } else { s.reachability.as_str() },
+        "reachability": s.reachability_status(),
         "relay": s.relay,
         "devices": s.devices.iter().map(|d| serde_json::json!({
             "device": d.device, "start_block": d.start_block, "end_block": d.end_block,

@@ -1,6 +1,6 @@
 //! What the monitor shows, built from the live server records: per model, the servers holding each block (a
 //! coverage bar, red where nobody does), the throughput summed per block, and every server's announcement.
-use petal_proto::pb::{self, ServerRecord};
+use petal_proto::pb::ServerRecord;
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -124,23 +124,12 @@ fn server_state(s: &ServerRecord) -> ServerState {
         sessions_open: s.sessions_open,
         cache_tokens_free: s.cache_tokens_free,
         cache_tokens_total: s.cache_tokens_total,
-        reachability: if s.reachability.is_empty() {
-            "unknown".into()
-        } else {
-            s.reachability.clone()
-        },
+        reachability: s.reachability_status().to_string(),
         relay: s.relay,
         version: s.petal_version.clone(),
-        dtype: pb::WireDType::try_from(s.dtype)
-            .map(|d| d.name())
-            .unwrap_or("?")
-            .to_string(),
+        dtype: s.wire_dtype_name().to_string(),
         quantization: s.quantization.clone(),
-        devices: s
-            .devices
-            .iter()
-            .map(|d| format!("{}[{}..{}]", d.device, d.start_block, d.end_block))
-            .collect(),
+        devices: s.device_spans(),
         updated_unix_ms: s.updated_unix_ms,
     }
 }
