@@ -13,7 +13,7 @@ pub enum ModelError {
     },
     #[error("unrecognised model format at {0}: expected a Hugging Face directory (config.json + *.safetensors), a .safetensors file, a .gguf file or a llama2.c .bin file")]
     UnknownFormat(PathBuf),
-    #[error("unsupported architecture {0:?}: Petal serves Llama-family decoders (llama, mistral, smollm)")]
+    #[error("unsupported architecture {0:?}: Petal serves llama, mistral, mixtral, qwen2, qwen3, phi3, gemma2 and gemma3 decoders")]
     UnknownArchitecture(String),
     #[error("invalid model config: {0}")]
     Config(String),

@@ -1,9 +1,12 @@
-//! Random-weight Llama models written as Hugging Face directories (`config.json` + `model.safetensors`).
+//! Random-weight models of every supported family, written as Hugging Face directories (`config.json` +
+//! `model.safetensors`).
 //!
 //! Benchmarks need shapes no model on disk has (a 1B model on a machine with only a 135M one), and tests need
 //! models they can build in milliseconds. Weights are uniform on a grid of `k / 4096` for `k` in `-127..=127`
 //! (std ~0.018, close to the usual 0.02 init), so every value is exact in f32, f16 and bf16: the same seed gives
-//! the same model in any dtype, and activations stay finite through many blocks. Norm weights are 1.
+//! the same model in any dtype, and activations stay finite through many blocks. Norm weights are `1 + k / 128`
+//! for `k` in `-32..=32` (Gemma's, stored as `w - 1`, are `k / 128`), also exact in every dtype, so a norm that is
+//! applied wrongly changes the outputs.
 //!
 //! The file is streamed tensor by tensor through a byte lookup table, so a 1B model is written in seconds and never
 //! held in memory. Only `std` and `serde_json` are used.
@@ -56,7 +59,62 @@ impl WeightDType {
     }
 }
 
-/// The shape of a Llama-family model.
+/// A supported family, as a synthetic model of it is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyntheticFamily {
+    Llama,
+    Mistral,
+    /// Mistral with [`MIXTRAL_EXPERTS`] experts, two per token.
+    Mixtral,
+    Qwen2,
+    Qwen3,
+    Phi3,
+    Gemma2,
+    Gemma3,
+}
+
+/// Experts per block of a synthetic Mixtral.
+pub const MIXTRAL_EXPERTS: usize = 4;
+
+impl SyntheticFamily {
+    pub const ALL: [Self; 8] = [
+        Self::Llama,
+        Self::Mistral,
+        Self::Mixtral,
+        Self::Qwen2,
+        Self::Qwen3,
+        Self::Phi3,
+        Self::Gemma2,
+        Self::Gemma3,
+    ];
+
+    /// The HF `model_type`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Mistral => "mistral",
+            Self::Mixtral => "mixtral",
+            Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
+            Self::Phi3 => "phi3",
+            Self::Gemma2 => "gemma2",
+            Self::Gemma3 => "gemma3_text",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        let s = s.trim().to_ascii_lowercase();
+        Self::ALL
+            .into_iter()
+            .find(|f| f.name() == s || (s == "gemma3" && *f == Self::Gemma3))
+    }
+
+    fn is_gemma(self) -> bool {
+        matches!(self, Self::Gemma2 | Self::Gemma3)
+    }
+}
+
+/// The shape of a model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SyntheticShape {
     pub name: &'static str,
@@ -68,6 +126,10 @@ pub struct SyntheticShape {
     pub vocab_size: usize,
     pub tie_embeddings: bool,
     pub max_position: usize,
+    pub family: SyntheticFamily,
+    /// Window of the family's windowed layers (all for Mistral/Mixtral/Phi-3, every other for Gemma 2, five in six
+    /// for Gemma 3, from layer 1 for Qwen); `None`: no layer is windowed (Gemma's then get `max_position`).
+    pub sliding_window: Option<usize>,
 }
 
 /// Named shapes: a tiny one for smoke tests, SmolLM2-135M's and llama-160m's, and a Llama-3.2-1B-like one
@@ -83,6 +145,8 @@ pub const SHAPES: &[SyntheticShape] = &[
         vocab_size: 4096,
         tie_embeddings: true,
         max_position: 2048,
+        family: SyntheticFamily::Llama,
+        sliding_window: None,
     },
     SyntheticShape {
         name: "135m",
@@ -94,6 +158,8 @@ pub const SHAPES: &[SyntheticShape] = &[
         vocab_size: 49152,
         tie_embeddings: true,
         max_position: 2048,
+        family: SyntheticFamily::Llama,
+        sliding_window: None,
     },
     SyntheticShape {
         name: "160m",
@@ -105,6 +171,8 @@ pub const SHAPES: &[SyntheticShape] = &[
         vocab_size: 32000,
         tie_embeddings: false,
         max_position: 2048,
+        family: SyntheticFamily::Llama,
+        sliding_window: None,
     },
     SyntheticShape {
         name: "1b",
@@ -116,6 +184,8 @@ pub const SHAPES: &[SyntheticShape] = &[
         vocab_size: 32000,
         tie_embeddings: true,
         max_position: 2048,
+        family: SyntheticFamily::Llama,
+        sliding_window: None,
     },
 ];
 
@@ -132,31 +202,124 @@ impl SyntheticShape {
         self.hidden_size / self.num_heads
     }
 
-    /// Every tensor of the model, in file order, with its shape.
+    /// This shape as a model of `family` (same widths; Gemma always ties its LM head, Mistral-style models never
+    /// do in candle's reference).
+    pub fn with_family(mut self, family: SyntheticFamily) -> Self {
+        self.family = family;
+        match family {
+            SyntheticFamily::Gemma2 | SyntheticFamily::Gemma3 => self.tie_embeddings = true,
+            SyntheticFamily::Mistral | SyntheticFamily::Mixtral | SyntheticFamily::Phi3 => {
+                self.tie_embeddings = false
+            }
+            _ => {}
+        }
+        self
+    }
+
+    /// Every tensor of the model, in file order, with its shape and what kind of values it holds.
     pub fn tensors(&self) -> Vec<(String, Vec<usize>)> {
+        self.tensor_kinds()
+            .into_iter()
+            .map(|(name, dims, _)| (name, dims))
+            .collect()
+    }
+
+    fn tensor_kinds(&self) -> Vec<(String, Vec<usize>, Values)> {
+        use SyntheticFamily as F;
         let (h, ff, hd) = (self.hidden_size, self.intermediate_size, self.head_dim());
         let (q, kv) = (self.num_heads * hd, self.num_kv_heads * hd);
-        let mut t = vec![(
+        let norm = if self.family.is_gemma() {
+            Values::NormMinusOne
+        } else {
+            Values::Norm
+        };
+        let w = |name: String, dims: Vec<usize>| (name, dims, Values::Weight);
+        let mut t = vec![w(
             "model.embed_tokens.weight".to_string(),
             vec![self.vocab_size, h],
         )];
         for i in 0..self.num_blocks {
             let p = format!("model.layers.{i}");
-            t.extend([
-                (format!("{p}.input_layernorm.weight"), vec![h]),
-                (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
-                (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
-                (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
-                (format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
-                (format!("{p}.post_attention_layernorm.weight"), vec![h]),
-                (format!("{p}.mlp.gate_proj.weight"), vec![ff, h]),
-                (format!("{p}.mlp.up_proj.weight"), vec![ff, h]),
-                (format!("{p}.mlp.down_proj.weight"), vec![h, ff]),
-            ]);
+            t.push((format!("{p}.input_layernorm.weight"), vec![h], norm));
+            if self.family == F::Phi3 {
+                t.push(w(
+                    format!("{p}.self_attn.qkv_proj.weight"),
+                    vec![q + 2 * kv, h],
+                ));
+            } else {
+                t.extend([
+                    w(format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
+                    w(format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
+                    w(format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
+                ]);
+            }
+            if self.family == F::Qwen2 {
+                t.extend([
+                    (
+                        format!("{p}.self_attn.q_proj.bias"),
+                        vec![q],
+                        Values::Weight,
+                    ),
+                    (
+                        format!("{p}.self_attn.k_proj.bias"),
+                        vec![kv],
+                        Values::Weight,
+                    ),
+                    (
+                        format!("{p}.self_attn.v_proj.bias"),
+                        vec![kv],
+                        Values::Weight,
+                    ),
+                ]);
+            }
+            if matches!(self.family, F::Qwen3 | F::Gemma3) {
+                t.push((format!("{p}.self_attn.q_norm.weight"), vec![hd], norm));
+                t.push((format!("{p}.self_attn.k_norm.weight"), vec![hd], norm));
+            }
+            t.push(w(format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
+            t.push((
+                format!("{p}.post_attention_layernorm.weight"),
+                vec![h],
+                norm,
+            ));
+            if self.family.is_gemma() {
+                t.push((
+                    format!("{p}.pre_feedforward_layernorm.weight"),
+                    vec![h],
+                    norm,
+                ));
+                t.push((
+                    format!("{p}.post_feedforward_layernorm.weight"),
+                    vec![h],
+                    norm,
+                ));
+            }
+            match self.family {
+                F::Phi3 => t.extend([
+                    w(format!("{p}.mlp.gate_up_proj.weight"), vec![2 * ff, h]),
+                    w(format!("{p}.mlp.down_proj.weight"), vec![h, ff]),
+                ]),
+                F::Mixtral => {
+                    let m = format!("{p}.block_sparse_moe");
+                    t.push(w(format!("{m}.gate.weight"), vec![MIXTRAL_EXPERTS, h]));
+                    for e in 0..MIXTRAL_EXPERTS {
+                        t.extend([
+                            w(format!("{m}.experts.{e}.w1.weight"), vec![ff, h]),
+                            w(format!("{m}.experts.{e}.w2.weight"), vec![h, ff]),
+                            w(format!("{m}.experts.{e}.w3.weight"), vec![ff, h]),
+                        ]);
+                    }
+                }
+                _ => t.extend([
+                    w(format!("{p}.mlp.gate_proj.weight"), vec![ff, h]),
+                    w(format!("{p}.mlp.up_proj.weight"), vec![ff, h]),
+                    w(format!("{p}.mlp.down_proj.weight"), vec![h, ff]),
+                ]),
+            }
         }
-        t.push(("model.norm.weight".to_string(), vec![h]));
+        t.push(("model.norm.weight".to_string(), vec![h], norm));
         if !self.tie_embeddings {
-            t.push(("lm_head.weight".to_string(), vec![self.vocab_size, h]));
+            t.push(w("lm_head.weight".to_string(), vec![self.vocab_size, h]));
         }
         t
     }
@@ -169,11 +332,22 @@ impl SyntheticShape {
             .sum()
     }
 
-    /// A Hugging Face `config.json` for this shape.
+    /// A Hugging Face `config.json` for this shape, with every field its family's reference (candle-transformers'
+    /// config structs, which require some that HF makes optional) reads.
     pub fn config_json(&self, dtype: WeightDType) -> serde_json::Value {
-        serde_json::json!({
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+        use SyntheticFamily as F;
+        let mut c = serde_json::json!({
+            "architectures": [match self.family {
+                F::Llama => "LlamaForCausalLM",
+                F::Mistral => "MistralForCausalLM",
+                F::Mixtral => "MixtralForCausalLM",
+                F::Qwen2 => "Qwen2ForCausalLM",
+                F::Qwen3 => "Qwen3ForCausalLM",
+                F::Phi3 => "Phi3ForCausalLM",
+                F::Gemma2 => "Gemma2ForCausalLM",
+                F::Gemma3 => "Gemma3ForCausalLM",
+            }],
+            "model_type": self.family.name(),
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_blocks,
@@ -187,13 +361,46 @@ impl SyntheticShape {
             "tie_word_embeddings": self.tie_embeddings,
             "bos_token_id": 1,
             "eos_token_id": 2,
+            "hidden_act": if self.family.is_gemma() { "gelu_pytorch_tanh" } else { "silu" },
             "torch_dtype": match dtype {
                 WeightDType::F32 => "float32",
                 WeightDType::F16 => "float16",
                 WeightDType::BF16 => "bfloat16",
             },
-        })
+        });
+        let window = self.sliding_window;
+        let extra = match self.family {
+            F::Llama => serde_json::json!({}),
+            F::Mistral | F::Phi3 => serde_json::json!({ "sliding_window": window }),
+            F::Mixtral => serde_json::json!({ "sliding_window": window,
+                "num_local_experts": MIXTRAL_EXPERTS, "num_experts_per_tok": 2, "use_flash_attn": false }),
+            F::Qwen2 | F::Qwen3 => serde_json::json!({
+                "sliding_window": window.unwrap_or(self.max_position),
+                "use_sliding_window": window.is_some(), "max_window_layers": 1, "attention_bias": false }),
+            F::Gemma2 | F::Gemma3 => serde_json::json!({
+                "hidden_activation": "gelu_pytorch_tanh", "attention_bias": false,
+                "query_pre_attn_scalar": self.head_dim(),
+                "sliding_window": window.unwrap_or(self.max_position),
+                "sliding_window_pattern": 3, "rope_local_base_freq": 1000.0,
+                "final_logit_softcapping": if self.family == F::Gemma2 { Some(30.0) } else { None },
+                "attn_logit_softcapping": if self.family == F::Gemma2 { Some(50.0) } else { None } }),
+        };
+        if let (Some(c), Some(extra)) = (c.as_object_mut(), extra.as_object()) {
+            c.extend(extra.clone());
+        }
+        c
     }
+}
+
+/// What a tensor's values are drawn from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Values {
+    /// The weight grid `k / 4096`.
+    Weight,
+    /// `1 + k / 128`, `k` in `-32..=32`.
+    Norm,
+    /// `k / 128`: a Gemma norm stored as `w - 1`.
+    NormMinusOne,
 }
 
 /// What [`write_model`] did.
@@ -261,24 +468,24 @@ fn write_safetensors(
     dtype: WeightDType,
     seed: u64,
 ) -> io::Result<u64> {
+    let kinds = shape.tensor_kinds();
     let tensors = shape.tensors();
     let header = safetensors_header(&tensors, dtype)?;
     let mut out = BufWriter::with_capacity(1 << 20, File::create(path)?);
     out.write_all(&(header.len() as u64).to_le_bytes())?;
     out.write_all(&header)?;
-    let table = ValueTable::new(dtype);
-    for (name, dims) in &tensors {
+    let weights = ValueTable::new(dtype, |k| k as f32 / 4096.0);
+    let norms = ValueTable::new(dtype, |k| 1.0 + (k / 4) as f32 / 128.0);
+    let norms_minus_one = ValueTable::new(dtype, |k| (k / 4) as f32 / 128.0);
+    for (name, dims, values) in &kinds {
         let count: usize = dims.iter().product();
-        if dims.len() == 1 {
-            // Norm weights: all ones.
-            let one = encode(1.0, dtype);
-            for _ in 0..count {
-                out.write_all(&one)?;
-            }
-        } else {
-            let mut rng = SplitMix64::new(seed ^ fnv1a(name.as_bytes()));
-            table.write_random(&mut out, count, &mut rng)?;
-        }
+        let table = match values {
+            Values::Weight => &weights,
+            Values::Norm => &norms,
+            Values::NormMinusOne => &norms_minus_one,
+        };
+        let mut rng = SplitMix64::new(seed ^ fnv1a(name.as_bytes()));
+        table.write_random(&mut out, count, &mut rng)?;
     }
     out.flush()?;
     Ok(8 + header.len() as u64
@@ -313,19 +520,19 @@ fn safetensors_header(tensors: &[(String, Vec<usize>)], dtype: WeightDType) -> i
     Ok(header)
 }
 
-/// The encoded bytes of the 256 weight values, indexed by a random byte: byte `b` is `(b - 128) / 4096`, except 0
-/// which is 0, so values are symmetric around zero.
+/// The encoded bytes of 256 values, indexed by a random byte: byte `b` is `value(b - 128)`, except 0 which is
+/// `value(0)`, so values are symmetric around `value(0)`.
 struct ValueTable {
     size: usize,
     bytes: Vec<u8>,
 }
 
 impl ValueTable {
-    fn new(dtype: WeightDType) -> Self {
+    fn new(dtype: WeightDType, value: impl Fn(i32) -> f32) -> Self {
         let bytes = (0..=255u8)
             .flat_map(|b| {
                 let k = if b == 0 { 0 } else { i32::from(b) - 128 };
-                encode(k as f32 / 4096.0, dtype)
+                encode(value(k), dtype)
             })
             .collect();
         Self {

@@ -117,9 +117,8 @@ impl SpanLoader {
     /// (quantized GGUF), else the compute dtype's.
     fn block_weight_bytes(&self) -> f64 {
         let spec = self.source.spec();
-        let (h, kv) = (spec.hidden_size as f64, spec.kv_dim() as f64);
-        let q = (spec.num_heads * spec.head_dim) as f64;
-        let block_params = h * q + 2.0 * h * kv + q * h + 3.0 * h * spec.intermediate_size as f64;
+        let h = spec.hidden_size as f64;
+        let block_params = spec.block_parameters() as f64;
         let head_params = spec.vocab_size as f64 * h * if spec.tie_embeddings { 1.0 } else { 2.0 };
         let stays_quantized = self.source.format() == ModelFormat::Gguf && self.dtype == DType::F32;
         let bytes_per_param = match self.file_bytes() {

@@ -6,7 +6,7 @@
 //! (default 512) and the client sends long steps in chunks of that size (`HopClient::step`): the prompt must go
 //! through two real nodes, give the local run's tokens and log-probabilities, and get no server blamed.
 use petal_client::{ChainConfig, Completion, Generator, SwarmClient, VerifyPolicy};
-use petal_model::synthetic::{write_model, SyntheticShape, WeightDType};
+use petal_model::synthetic::{write_model, SyntheticFamily, SyntheticShape, WeightDType};
 use petal_model::text::decoding::{FinishReason, GenerationConfig};
 use petal_model::{BlockRange, ModelSource, Placement};
 use petal_tests::*;
@@ -24,6 +24,8 @@ const SHAPE: SyntheticShape = SyntheticShape {
     vocab_size: 512,
     tie_embeddings: true,
     max_position: 8192,
+    family: SyntheticFamily::Llama,
+    sliding_window: None,
 };
 const SEED: u64 = 14;
 const PROMPT_TOKENS: usize = 4100;

@@ -14,6 +14,10 @@ pub struct Head {
     norm: RmsNorm,
     lm_head: Linear,
     vocab_size: usize,
+    /// Embeddings are multiplied by this (Gemma: `sqrt(hidden_size)`).
+    embed_scale: Option<f64>,
+    /// `cap * tanh(logits / cap)` (Gemma 2).
+    final_softcap: Option<f64>,
 }
 
 impl Head {
@@ -42,11 +46,20 @@ impl Head {
             Some(w) => w.matmul(p)?,
             None => embed_w.matmul(p)?,
         };
+        let o = &spec.options;
+        let norm_w = if o.norm_plus_one {
+            let f = norm_w.dense(&Placement::new(p.device.clone(), DType::F32))?;
+            normalise(&(f + 1.0)?, p)?
+        } else {
+            norm_w.dense(p)?
+        };
         Ok(Self {
             embed: Embedding::new(embed_w.dense(p)?, spec.hidden_size),
-            norm: RmsNorm::new(norm_w.dense(p)?, spec.rms_eps),
+            norm: RmsNorm::new(norm_w, spec.rms_eps),
             lm_head,
             vocab_size: spec.vocab_size,
+            embed_scale: o.scale_embeddings.then(|| (spec.hidden_size as f64).sqrt()),
+            final_softcap: o.final_softcap,
             placement,
         })
     }
@@ -65,7 +78,12 @@ impl Head {
             )));
         }
         let ids = Tensor::new(ids, &self.placement.device)?.unsqueeze(0)?;
-        Ok(self.embed.forward(&ids)?)
+        let x = self.embed.forward(&ids)?;
+        Ok(match self.embed_scale {
+            // In the embeddings' dtype, as the reference scales them.
+            Some(s) => (x * s)?,
+            None => x,
+        })
     }
 
     /// f32 logits `[batch, vocab]` of the last position of `hidden` (`[batch, tokens, hidden]`), from wherever the
@@ -76,6 +94,10 @@ impl Head {
         let (_, tokens, _) = hidden.dims3()?;
         let x = self.norm.forward(&hidden)?;
         let x = x.i((.., tokens - 1, ..))?.contiguous()?;
-        Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+        let logits = self.lm_head.forward(&x)?.to_dtype(DType::F32)?;
+        Ok(match self.final_softcap {
+            Some(cap) => ((logits / cap)?.tanh()? * cap)?,
+            None => logits,
+        })
     }
 }

@@ -4,6 +4,7 @@
 //! ([`wire`]).
 pub mod block;
 pub mod block_range;
+pub mod family;
 pub mod hash_cache;
 pub mod head;
 pub mod linear;

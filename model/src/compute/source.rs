@@ -1,13 +1,14 @@
 //! Opening a model from disk: detect the format, read its description, and hand out spans and heads that read only
 //! their own tensors.
 use crate::compute::block_range::BlockRange;
+use crate::compute::family::{Activation, FamilyOptions, SlidingWindow};
 use crate::compute::hash_cache::HashCache;
 use crate::compute::head::Head;
 use crate::compute::placement::Placement;
 use crate::compute::span::BlockSpan;
 use crate::compute::spec::{ModelSpec, RopeStyle};
 use crate::compute::weights::{
-    GgufWeights, Llama2cWeights, LoadLog, SafetensorsWeights, WeightSource,
+    GgufWeights, HfLayout, Llama2cWeights, LoadLog, SafetensorsWeights, WeightSource,
 };
 use crate::error::{ModelError, Result};
 use crate::text::tokenizer::Tokenizer;
@@ -69,7 +70,11 @@ impl ModelSource {
                 let json =
                     std::fs::read_to_string(&config).map_err(|e| ModelError::io(&config, e))?;
                 let spec = ModelSpec::from_hf_config(&name, &json)?;
-                (spec, Box::new(SafetensorsWeights::open(path)?))
+                let layout = HfLayout::for_architecture(&spec.architecture);
+                (
+                    spec,
+                    Box::new(SafetensorsWeights::open(path)?.with_layout(layout)),
+                )
             }
             ModelFormat::Gguf => {
                 let w = GgufWeights::open(path)?;
@@ -319,7 +324,7 @@ fn detect_format(path: &Path) -> Result<ModelFormat> {
     }
 }
 
-/// The description of a GGUF model from its metadata (llama.cpp's key names).
+/// The description of a GGUF model from its metadata (llama.cpp's key names, under the architecture's prefix).
 fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
     let md = w.metadata();
     let arch = md
@@ -327,25 +332,37 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
         .and_then(|v| v.to_string().ok())
         .cloned()
         .unwrap_or_default();
-    if arch != "llama" {
+    if !matches!(
+        arch.as_str(),
+        "llama" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3"
+    ) {
         return Err(ModelError::UnknownArchitecture(arch));
     }
-    let get = |key: &str| md.get(&format!("llama.{key}"));
+    let get = |key: &str| md.get(&format!("{arch}.{key}"));
     let need_u32 = |key: &str| -> Result<usize> {
         get(key)
             .and_then(|v| v.to_u32().ok())
             .map(|v| v as usize)
-            .ok_or_else(|| ModelError::Config(format!("GGUF metadata lacks llama.{key}")))
+            .ok_or_else(|| ModelError::Config(format!("GGUF metadata lacks {arch}.{key}")))
     };
-    let f32_or =
-        |key: &str, default: f32| get(key).and_then(|v| v.to_f32().ok()).unwrap_or(default);
+    let f32_opt = |key: &str| get(key).and_then(|v| v.to_f32().ok());
+    let f32_or = |key: &str, default: f32| f32_opt(key).unwrap_or(default);
+    if need_u32("expert_count").is_ok_and(|n| n > 0) {
+        return Err(ModelError::Config(
+            "mixture-of-experts GGUF files are not supported (their experts are stacked in one tensor); \
+             serve the Hugging Face checkpoint"
+                .into(),
+        ));
+    }
     let hidden = need_u32("embedding_length")?;
     let heads = need_u32("attention.head_count")?;
-    let head_dim = need_u32("rope.dimension_count").or_else(|_| {
-        hidden
-            .checked_div(heads)
-            .ok_or_else(|| ModelError::Config("head_count is 0".into()))
-    })?;
+    let head_dim = need_u32("attention.key_length")
+        .or_else(|_| need_u32("rope.dimension_count"))
+        .or_else(|_| {
+            hidden
+                .checked_div(heads)
+                .ok_or_else(|| ModelError::Config("head_count is 0".into()))
+        })?;
     let vocab = match w.tensor_dims("token_embd.weight") {
         Some(d) if d.len() == 2 => d[0],
         _ => {
@@ -354,11 +371,55 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
             })
         }
     };
+    let blocks = need_u32("block_count")?;
+    let gemma = arch.starts_with("gemma");
+    let window = need_u32("attention.sliding_window").ok().filter(|&w| w > 0);
+    // Which layers llama.cpp windows: Gemma 2 the even ones, Gemma 3 five in six, Phi-3 all when set.
+    let windowed: Vec<usize> = match arch.as_str() {
+        "gemma2" => (0..blocks).filter(|i| i % 2 == 0).collect(),
+        "gemma3" => {
+            let n = need_u32("attention.sliding_window_type")
+                .unwrap_or(6)
+                .max(1);
+            (0..blocks).filter(|i| (i + 1) % n != 0).collect()
+        }
+        "phi3" => (0..blocks).collect(),
+        _ => vec![],
+    };
+    let options = FamilyOptions {
+        qkv_bias: w.has_tensor("blk.0.attn_q.bias"),
+        qk_norm: w.has_tensor("blk.0.attn_q_norm.weight"),
+        // llama.cpp's converter adds Gemma's 1 to its norm weights.
+        norm_plus_one: false,
+        activation: if gemma {
+            Activation::GeluTanh
+        } else {
+            Activation::Silu
+        },
+        sandwich_norms: gemma,
+        scale_embeddings: gemma,
+        // Gemma 2 27B scales by hidden / heads (its query_pre_attn_scalar); the others by the head size.
+        query_pre_attn_scalar: (arch == "gemma2" && blocks == 46).then(|| (hidden / heads) as f64),
+        attn_softcap: f32_opt("attn_logit_softcapping").map(f64::from),
+        final_softcap: f32_opt("final_logit_softcapping").map(f64::from),
+        sliding_window: window
+            .filter(|_| !windowed.is_empty())
+            .map(|size| SlidingWindow {
+                size,
+                layers: windowed,
+            }),
+        local_rope_theta: (arch == "gemma3").then(|| f32_or("rope.local_freq_base", 10_000.0)),
+        rope_linear_factor: match get("rope.scaling.type").and_then(|v| v.to_string().ok()) {
+            Some(t) if t == "linear" => f32_opt("rope.scaling.factor"),
+            _ => None,
+        },
+        fused_projections: arch == "phi3",
+        moe: None,
+    };
     let token_id = |key: &str| md.get(key).and_then(|v: &Value| v.to_u32().ok());
     let spec = ModelSpec {
         name: name.to_string(),
-        architecture: arch,
-        num_blocks: need_u32("block_count")?,
+        num_blocks: blocks,
         hidden_size: hidden,
         intermediate_size: need_u32("feed_forward_length")?,
         num_heads: heads,
@@ -367,7 +428,12 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
         vocab_size: vocab,
         rope_theta: f32_or("rope.freq_base", 10_000.0),
         rope_scaling: None,
-        rope_style: RopeStyle::Interleaved,
+        // llama.cpp permutes Llama's q/k rows to Meta's interleaved pairs; the other families keep rotate-half.
+        rope_style: if arch == "llama" {
+            RopeStyle::Interleaved
+        } else {
+            RopeStyle::Half
+        },
         rms_eps: f32_or("attention.layer_norm_rms_epsilon", 1e-5) as f64,
         max_position: need_u32("context_length").unwrap_or(4096),
         tie_embeddings: !w.has_tensor("output.weight"),
@@ -375,6 +441,8 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
         eos_token_ids: token_id("tokenizer.ggml.eos_token_id")
             .into_iter()
             .collect(),
+        options,
+        architecture: arch,
     };
     spec.validate()?;
     Ok(spec)

@@ -1,5 +1,5 @@
 //! A contiguous span of blocks as a node serves it, and the per-session state that goes with it.
-use crate::compute::block::{Block, BlockStep, KvCache, Rope};
+use crate::compute::block::{Block, BlockStep, KvCache, Rope, RopeParams};
 use crate::compute::block_range::BlockRange;
 use crate::compute::placement::Placement;
 use crate::compute::spec::ModelSpec;
@@ -43,18 +43,18 @@ impl BlockSpan {
                 range.len()
             )));
         }
-        // One RoPE table per distinct placement, shared by the blocks on it.
-        let mut ropes: Vec<(Placement, Rope)> = Vec::new();
+        // One RoPE table per distinct placement and parameters, shared by the blocks with both.
+        let mut ropes: Vec<(Placement, RopeParams, Rope)> = Vec::new();
         let mut blocks = Vec::with_capacity(range.len());
         for (i, p) in (range.start..range.end).zip(placements) {
-            let rope = match ropes
-                .iter()
-                .find(|(q, _)| q.device.same_device(&p.device) && q.dtype == p.dtype)
-            {
-                Some((_, r)) => r.clone(),
+            let params = RopeParams::for_layer(&spec, i);
+            let rope = match ropes.iter().find(|(q, k, _)| {
+                q.device.same_device(&p.device) && q.dtype == p.dtype && *k == params
+            }) {
+                Some((_, _, r)) => r.clone(),
                 None => {
-                    let r = Rope::new(&spec, p)?;
-                    ropes.push((p.clone(), r.clone()));
+                    let r = Rope::with_params(&spec, p, params)?;
+                    ropes.push((p.clone(), params, r.clone()));
                     r
                 }
             };

@@ -1,5 +1,6 @@
-//! One description of a Llama-family model, read from a Hugging Face `config.json`, GGUF metadata or a llama2.c
-//! header. Everything downstream (blocks, head, router) is built from this, never from format-specific fields.
+//! One description of a model, read from a Hugging Face `config.json`, GGUF metadata or a llama2.c header.
+//! Everything downstream (blocks, head, router) is built from this, never from format-specific fields.
+use crate::compute::family::{Activation, FamilyOptions, Moe, SlidingWindow};
 use crate::error::{ModelError, Result};
 use serde::{Deserialize, Serialize};
 
@@ -43,6 +44,10 @@ pub struct ModelSpec {
     pub tie_embeddings: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// How the family departs from a Llama block. Left out of the serialised spec when Llama's, so Llama models
+    /// keep the ids they had before families existed.
+    #[serde(default, skip_serializing_if = "FamilyOptions::is_llama")]
+    pub options: FamilyOptions,
 }
 
 impl ModelSpec {
@@ -78,6 +83,44 @@ impl ModelSpec {
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return bad(format!("rope_theta {} must be positive", self.rope_theta));
         }
+        let o = &self.options;
+        if let Some(w) = &o.sliding_window {
+            if w.size == 0 {
+                return bad("sliding_window must be positive".into());
+            }
+            if let Some(&l) = w.layers.iter().find(|&&l| l >= self.num_blocks) {
+                return bad(format!(
+                    "windowed layer {l} is outside the model's {} layers",
+                    self.num_blocks
+                ));
+            }
+        }
+        if let Some(m) = &o.moe {
+            if m.num_experts == 0 || m.experts_per_token == 0 || m.experts_per_token > m.num_experts
+            {
+                return bad(format!(
+                    "{} experts per token of {} experts",
+                    m.experts_per_token, m.num_experts
+                ));
+            }
+        }
+        for (what, v) in [
+            ("query_pre_attn_scalar", o.query_pre_attn_scalar),
+            ("attn_logit_softcapping", o.attn_softcap),
+            ("final_logit_softcapping", o.final_softcap),
+        ] {
+            if v.is_some_and(|v| !(v.is_finite() && v > 0.0)) {
+                return bad(format!("{what} must be positive"));
+            }
+        }
+        for (what, v) in [
+            ("rope_local_base_freq", o.local_rope_theta),
+            ("rope_scaling.factor", o.rope_linear_factor),
+        ] {
+            if v.is_some_and(|v| !(v.is_finite() && v > 0.0)) {
+                return bad(format!("{what} must be positive"));
+            }
+        }
         Ok(())
     }
 
@@ -85,12 +128,28 @@ impl ModelSpec {
         self.num_kv_heads * self.head_dim
     }
 
+    /// Weights of one block's matrices (norms and biases are negligible): attention, and the MLP once per expert
+    /// plus the router in a mixture of experts.
+    pub fn block_parameters(&self) -> u64 {
+        let (h, q, kv) = (
+            self.hidden_size as u64,
+            (self.num_heads * self.head_dim) as u64,
+            self.kv_dim() as u64,
+        );
+        let mlp = 3 * h * self.intermediate_size as u64;
+        let ffn = match &self.options.moe {
+            Some(m) => m.num_experts as u64 * (mlp + h),
+            None => mlp,
+        };
+        2 * h * q + 2 * h * kv + ffn
+    }
+
     /// Bytes of KV cache one token takes in one block at `dtype_size` bytes per element.
     pub fn kv_bytes_per_token_per_block(&self, dtype_size: usize) -> usize {
         2 * self.kv_dim() * dtype_size
     }
 
-    /// Parses a Hugging Face `config.json`.
+    /// Parses a Hugging Face `config.json` of a supported family (its `model_type`).
     pub fn from_hf_config(name: &str, json: &str) -> Result<Self> {
         let c: HfConfig = serde_json::from_str(json)
             .map_err(|e| ModelError::Config(format!("config.json: {e}")))?;
@@ -99,22 +158,35 @@ impl ModelSpec {
             .clone()
             .or_else(|| c.architectures.first().cloned())
             .unwrap_or_default();
-        let known = matches!(
-            arch.as_str(),
-            "llama" | "mistral" | "LlamaForCausalLM" | "MistralForCausalLM"
-        );
-        if !known {
-            return Err(ModelError::UnknownArchitecture(arch));
-        }
+        let family = match arch.as_str() {
+            "llama" | "LlamaForCausalLM" => "llama",
+            "mistral" | "MistralForCausalLM" => "mistral",
+            "mixtral" | "MixtralForCausalLM" => "mixtral",
+            "qwen2" | "Qwen2ForCausalLM" => "qwen2",
+            "qwen3" | "Qwen3ForCausalLM" => "qwen3",
+            "phi3" | "Phi3ForCausalLM" => "phi3",
+            "gemma2" | "Gemma2ForCausalLM" => "gemma2",
+            "gemma3_text" | "Gemma3ForCausalLM" => "gemma3",
+            _ => return Err(ModelError::UnknownArchitecture(arch)),
+        };
         let num_heads = c.num_attention_heads;
         let head_dim = match c.head_dim {
             Some(d) => d,
             None if num_heads > 0 => c.hidden_size / num_heads,
             None => 0,
         };
-        let rope_scaling = match c.rope_scaling {
-            Some(s) if s.rope_type.as_deref().or(s.kind.as_deref()) == Some("llama3") => {
-                Some(Llama3RopeScaling {
+        let scaling = c.rope_scaling.as_ref().and_then(|s| {
+            s.rope_type
+                .as_deref()
+                .or(s.kind.as_deref())
+                .map(|kind| (kind, s))
+        });
+        let mut rope_scaling = None;
+        let mut rope_linear_factor = None;
+        match scaling {
+            None | Some(("default", _)) => {}
+            Some(("llama3", s)) => {
+                rope_scaling = Some(Llama3RopeScaling {
                     factor: s.factor.unwrap_or(1.0),
                     low_freq_factor: s.low_freq_factor.unwrap_or(1.0),
                     high_freq_factor: s.high_freq_factor.unwrap_or(4.0),
@@ -123,20 +195,85 @@ impl ModelSpec {
                         .unwrap_or(8192),
                 })
             }
-            Some(s) => match s.rope_type.as_deref().or(s.kind.as_deref()) {
-                None | Some("default") => None,
-                Some(other) => {
-                    return Err(ModelError::Config(format!(
-                        "rope_scaling type {other:?} is not supported (llama3 and default are)"
-                    )))
-                }
+            Some(("linear", s)) => rope_linear_factor = s.factor,
+            Some((other, _)) => {
+                return Err(ModelError::Config(format!(
+                    "rope_scaling type {other:?} is not supported (default, linear and llama3 are)"
+                )))
+            }
+        }
+        if c.partial_rotary_factor.is_some_and(|f| f != 1.0) {
+            return Err(ModelError::Config(
+                "partial_rotary_factor other than 1 is not supported".into(),
+            ));
+        }
+        let act_name = c
+            .hidden_activation
+            .as_deref()
+            .or(c.hidden_act.as_deref())
+            .unwrap_or(if family.starts_with("gemma") {
+                "gelu_pytorch_tanh"
+            } else {
+                "silu"
+            });
+        let activation = Activation::from_hf(act_name).ok_or_else(|| {
+            ModelError::Config(format!("activation {act_name:?} is not supported"))
+        })?;
+        let layers = c.num_hidden_layers;
+        // Which layers are windowed: an explicit `layer_types` list wins (newer configs); else each family's rule.
+        let listed = c.layer_types.as_ref().map(|types| {
+            (0..layers)
+                .filter(|&i| types.get(i).map(String::as_str) == Some("sliding_attention"))
+                .collect::<Vec<_>>()
+        });
+        let windowed: Vec<usize> = match family {
+            _ if listed.is_some() => listed.unwrap_or_default(),
+            "mistral" | "mixtral" | "phi3" => (0..layers).collect(),
+            "qwen2" | "qwen3" if c.use_sliding_window.unwrap_or(false) => {
+                (c.max_window_layers.unwrap_or(0)..layers).collect()
+            }
+            "gemma2" => (0..layers).filter(|i| i % 2 == 0).collect(),
+            "gemma3" => {
+                let n = c.sliding_window_pattern.unwrap_or(6).max(1);
+                (0..layers).filter(|i| (i + 1) % n != 0).collect()
+            }
+            _ => vec![],
+        };
+        let sliding_window = match c.sliding_window {
+            Some(size) if !windowed.is_empty() => Some(SlidingWindow {
+                size,
+                layers: windowed,
+            }),
+            _ => None,
+        };
+        let gemma = family.starts_with("gemma");
+        let options = FamilyOptions {
+            qkv_bias: family == "qwen2" || c.attention_bias.unwrap_or(false),
+            qk_norm: family == "qwen3" || family == "gemma3",
+            norm_plus_one: gemma,
+            activation,
+            sandwich_norms: gemma,
+            scale_embeddings: gemma,
+            query_pre_attn_scalar: c.query_pre_attn_scalar.filter(|_| gemma),
+            attn_softcap: c.attn_logit_softcapping.filter(|_| gemma),
+            final_softcap: c.final_logit_softcapping.filter(|_| gemma),
+            sliding_window,
+            local_rope_theta: c.rope_local_base_freq.filter(|_| family == "gemma3"),
+            rope_linear_factor,
+            fused_projections: family == "phi3",
+            moe: match family {
+                "mixtral" => Some(Moe {
+                    num_experts: c.num_local_experts.unwrap_or(8),
+                    experts_per_token: c.num_experts_per_tok.unwrap_or(2),
+                    normalize_top_k: true,
+                }),
+                _ => None,
             },
-            None => None,
         };
         let spec = Self {
             name: name.to_string(),
-            architecture: "llama".into(),
-            num_blocks: c.num_hidden_layers,
+            architecture: family.into(),
+            num_blocks: layers,
             hidden_size: c.hidden_size,
             intermediate_size: c.intermediate_size,
             num_heads,
@@ -148,16 +285,23 @@ impl ModelSpec {
             rope_style: RopeStyle::Half,
             rms_eps: c.rms_norm_eps.unwrap_or(1e-6),
             max_position: c.max_position_embeddings.unwrap_or(4096),
-            tie_embeddings: c.tie_word_embeddings.unwrap_or(false),
+            // Gemma always ties its LM head to the embeddings.
+            tie_embeddings: gemma || c.tie_word_embeddings.unwrap_or(false),
             bos_token_id: c.bos_token_id,
             eos_token_ids: match c.eos_token_id {
                 Some(OneOrMany::One(id)) => vec![id],
                 Some(OneOrMany::Many(ids)) => ids,
                 None => vec![],
             },
+            options,
         };
         spec.validate()?;
         Ok(spec)
+    }
+
+    /// The window of layer `layer`, if it attends over a sliding window.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        self.options.window(layer)
     }
 }
 
@@ -180,6 +324,21 @@ struct HfConfig {
     tie_word_embeddings: Option<bool>,
     bos_token_id: Option<u32>,
     eos_token_id: Option<OneOrMany>,
+    hidden_act: Option<String>,
+    hidden_activation: Option<String>,
+    attention_bias: Option<bool>,
+    sliding_window: Option<usize>,
+    use_sliding_window: Option<bool>,
+    max_window_layers: Option<usize>,
+    sliding_window_pattern: Option<usize>,
+    layer_types: Option<Vec<String>>,
+    query_pre_attn_scalar: Option<f64>,
+    attn_logit_softcapping: Option<f64>,
+    final_logit_softcapping: Option<f64>,
+    rope_local_base_freq: Option<f32>,
+    partial_rotary_factor: Option<f64>,
+    num_local_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
 }
 
 #[derive(Deserialize)]
@@ -255,6 +414,89 @@ mod tests {
         assert!(matches!(
             ModelSpec::from_hf_config("x", &json),
             Err(ModelError::Config(_))
+        ));
+    }
+
+    /// Qwen2.5-0.5B-Instruct's config.json (abridged to the fields read).
+    const QWEN25: &str = r#"{"architectures":["Qwen2ForCausalLM"],"model_type":"qwen2","hidden_size":896,
+        "intermediate_size":4864,"num_hidden_layers":24,"num_attention_heads":14,"num_key_value_heads":2,
+        "max_position_embeddings":32768,"max_window_layers":21,"rms_norm_eps":1e-06,"rope_theta":1000000.0,
+        "sliding_window":32768,"tie_word_embeddings":true,"use_sliding_window":false,"vocab_size":151936,
+        "hidden_act":"silu","bos_token_id":151643,"eos_token_id":151645}"#;
+
+    #[test]
+    fn qwen2_has_biases_and_no_window_unless_enabled() {
+        let s = ModelSpec::from_hf_config("qwen", QWEN25).unwrap();
+        assert_eq!(s.architecture, "qwen2");
+        assert!(s.options.qkv_bias && !s.options.qk_norm);
+        assert_eq!(s.options.sliding_window, None);
+        assert_eq!(s.head_dim, 64);
+        let on = QWEN25.replace(
+            "\"use_sliding_window\":false",
+            "\"use_sliding_window\":true",
+        );
+        let s = ModelSpec::from_hf_config("qwen", &on).unwrap();
+        let w = s.options.sliding_window.clone().unwrap();
+        assert_eq!(
+            (w.size, w.layers.first(), w.layers.len()),
+            (32768, Some(&21), 3)
+        );
+        assert_eq!(s.window(20), None);
+        assert_eq!(s.window(21), Some(32768));
+    }
+
+    #[test]
+    fn gemma3_windows_five_layers_in_six_or_as_listed() {
+        let json = r#"{"model_type":"gemma3_text","hidden_size":1152,"intermediate_size":6912,
+            "num_hidden_layers":12,"num_attention_heads":4,"num_key_value_heads":1,"head_dim":256,
+            "vocab_size":262144,"rms_norm_eps":1e-06,"rope_theta":1000000.0,"rope_local_base_freq":10000.0,
+            "sliding_window":512,"sliding_window_pattern":6,"query_pre_attn_scalar":256,
+            "rope_scaling":{"rope_type":"linear","factor":8.0},"hidden_activation":"gelu_pytorch_tanh",
+            "max_position_embeddings":32768}"#;
+        let s = ModelSpec::from_hf_config("g", json).unwrap();
+        let o = &s.options;
+        assert!(o.qk_norm && o.norm_plus_one && o.sandwich_norms && o.scale_embeddings);
+        assert!(s.tie_embeddings, "Gemma ties its LM head");
+        assert_eq!(o.activation, Activation::GeluTanh);
+        assert_eq!(o.rope_linear_factor, Some(8.0));
+        assert_eq!(o.local_rope_theta, Some(10_000.0));
+        let windowed: Vec<usize> = (0..12).filter(|&l| s.window(l).is_some()).collect();
+        assert_eq!(windowed, vec![0, 1, 2, 3, 4, 6, 7, 8, 9, 10]);
+        // An explicit layer_types list wins over the pattern.
+        let listed = json.replace(
+            "\"max_position_embeddings\":32768",
+            "\"max_position_embeddings\":32768,\"layer_types\":[\"full_attention\",\"sliding_attention\"]",
+        );
+        let s = ModelSpec::from_hf_config("g", &listed).unwrap();
+        assert_eq!(s.options.sliding_window.unwrap().layers, vec![1]);
+    }
+
+    #[test]
+    fn llama_keeps_its_serialised_form() {
+        // Llama specs serialise without family options, so their model ids are what they were before families.
+        let s = ModelSpec::from_hf_config("stories", STORIES).unwrap();
+        assert!(s.options.is_llama());
+        let json = serde_json::to_string(&s).unwrap();
+        assert!(!json.contains("options"), "{json}");
+        let q = ModelSpec::from_hf_config("qwen", QWEN25).unwrap();
+        assert!(serde_json::to_string(&q).unwrap().contains("qkv_bias"));
+    }
+
+    #[test]
+    fn unsupported_rope_and_activation_are_errors() {
+        let longrope = STORIES.replace(
+            r#""rope_scaling":null"#,
+            r#""rope_scaling":{"type":"longrope","long_factor":[1.0],"short_factor":[1.0]}"#,
+        );
+        let err = ModelSpec::from_hf_config("phi", &longrope.replace("\"llama\"", "\"phi3\""));
+        assert!(matches!(err, Err(ModelError::Config(m)) if m.contains("longrope")));
+        let relu = STORIES.replace(
+            r#""model_type":"llama""#,
+            r#""model_type":"llama","hidden_act":"relu""#,
+        );
+        assert!(matches!(
+            ModelSpec::from_hf_config("x", &relu),
+            Err(ModelError::Config(m)) if m.contains("relu")
         ));
     }
 }

@@ -67,6 +67,10 @@ struct Args {
     /// tokenizer needed.
     #[arg(long)]
     synthetic: Option<String>,
+    /// Family of the synthetic model: llama, mistral, mixtral, qwen2, qwen3, phi3, gemma2 or gemma3 (its
+    /// widths are the shape's; its tensors, norms and attention the family's).
+    #[arg(long, default_value = "llama", requires = "synthetic")]
+    family: String,
     /// Keep the synthetic model in this directory (reused when shape, dtype and seed match) instead of a
     /// temporary one.
     #[arg(long, requires = "synthetic")]

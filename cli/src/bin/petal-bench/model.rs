@@ -6,7 +6,7 @@ use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device};
 use petal_model::compute::placement::parse_dtype;
 use petal_model::models_dir::{default_model, missing_model, DEFAULT_MODEL};
-use petal_model::synthetic::{self, SyntheticShape, WeightDType};
+use petal_model::synthetic::{self, SyntheticFamily, SyntheticShape, WeightDType};
 use petal_model::text::prompt::encode_prompt;
 use petal_model::{DeviceSpec, GenerationConfig, ModelSource, Placement, Tokenizer};
 use serde_json::{json, Value};
@@ -99,10 +99,21 @@ pub fn resolve(args: &Args) -> Result<(PathBuf, Value, Option<TempDir>)> {
         let names: Vec<&str> = synthetic::SHAPES.iter().map(|s| s.name).collect();
         format!("unknown synthetic shape {name:?}: expected one of {names:?}")
     })?;
+    let family = SyntheticFamily::parse(&args.family).with_context(|| {
+        let names: Vec<&str> = SyntheticFamily::ALL.iter().map(|f| f.name()).collect();
+        format!(
+            "unknown family {:?}: expected one of {names:?}",
+            args.family
+        )
+    })?;
+    let shape = shape.with_family(family);
     let dtype = WeightDType::parse(&args.dtype)
         .with_context(|| format!("--dtype {:?}: expected f32, f16 or bf16", args.dtype))?;
     // The directory's name becomes the model's name (and part of its id), so keep it stable.
-    let leaf = format!("synthetic-{}-{}", shape.name, dtype.name());
+    let leaf = match family {
+        SyntheticFamily::Llama => format!("synthetic-{}-{}", shape.name, dtype.name()),
+        f => format!("synthetic-{}-{}-{}", shape.name, f.name(), dtype.name()),
+    };
     let (dir, temp) = match &args.synthetic_dir {
         Some(d) => (d.clone(), None),
         None => {
@@ -122,6 +133,7 @@ pub fn resolve(args: &Args) -> Result<(PathBuf, Value, Option<TempDir>)> {
         .with_context(|| format!("writing the synthetic model to {}", dir.display()))?;
     let info = json!({
         "shape": shape.name,
+        "family": family.name(),
         "parameters": shape.parameters(),
         "weight_dtype": dtype.name(),
         "file_bytes": written.bytes,

@@ -7,7 +7,8 @@ use super::kv_cache::KvCache;
 use super::rope::Rope;
 use crate::compute::linear::{Linear, Stacked};
 use crate::error::{ModelError, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::RmsNorm;
 
 /// Query rows scored at once: bounds a step's score memory to this many rows per head.
 pub(crate) const QUERY_CHUNK: usize = 256;
@@ -23,10 +24,20 @@ pub(crate) struct Projected {
 pub struct Attention {
     /// Queries, keys and values, in that order.
     pub(crate) qkv: Stacked,
+    /// Their biases (Qwen2).
+    pub(crate) qkv_bias: Option<[Tensor; 3]>,
+    /// RMSNorm of each query and key head before RoPE (Qwen3, Gemma 3).
+    pub(crate) qk_norm: Option<[RmsNorm; 2]>,
     pub(crate) o: Linear,
     pub(crate) num_heads: usize,
     pub(crate) num_kv_heads: usize,
     pub(crate) head_dim: usize,
+    /// Multiplies the scores: `1/sqrt(head_dim)` unless the family says otherwise.
+    pub(crate) scale: f64,
+    /// `cap * tanh(scores / cap)` before the softmax (Gemma 2).
+    pub(crate) softcap: Option<f64>,
+    /// Keys at most this many positions back (the query's own included) are seen; `None`: all.
+    pub(crate) window: Option<usize>,
     pub(crate) rope: Rope,
 }
 
@@ -39,11 +50,13 @@ impl Attention {
                 .next()
                 .ok_or_else(|| ModelError::Config("query/key/value projection lost a part".into()))
         };
-        Ok(Projected {
-            q: next()?,
-            k: next()?,
-            v: next()?,
-        })
+        let (mut q, mut k, mut v) = (next()?, next()?, next()?);
+        if let Some([bq, bk, bv]) = &self.qkv_bias {
+            q = q.broadcast_add(bq)?;
+            k = k.broadcast_add(bk)?;
+            v = v.broadcast_add(bv)?;
+        }
+        Ok(Projected { q, k, v })
     }
 
     /// One session's attention: `rows` are its `batch x tokens` rows of `p` (`start` the first), at positions
@@ -62,10 +75,16 @@ impl Attention {
                 .transpose(1, 2)?
                 .contiguous()?)
         };
-        let q = self.rope.apply(&heads(&p.q, self.num_heads)?, position)?;
-        let k = self
-            .rope
-            .apply(&heads(&p.k, self.num_kv_heads)?, position)?;
+        let (mut q, mut k) = (
+            heads(&p.q, self.num_heads)?,
+            heads(&p.k, self.num_kv_heads)?,
+        );
+        if let Some([qn, kn]) = &self.qk_norm {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        let q = self.rope.apply(&q, position)?;
+        let k = self.rope.apply(&k, position)?;
         cache.append(&k, &heads(&p.v, self.num_kv_heads)?)?;
         let y = self.attend_grouped(&q, position, cache)?;
         Ok(y.reshape((1, batch * tokens, self.num_heads * self.head_dim))?)
@@ -85,12 +104,10 @@ impl Attention {
         // Views into the cache's buffers (f32 caches are not copied): matmuls take their strides as they are.
         let k = k.to_dtype(DType::F32)?;
         let v = v.to_dtype(DType::F32)?;
-        let kt = k.t()?;
         let context = k.dim(2)?;
         let q = q
             .to_dtype(DType::F32)?
             .reshape((b, self.num_kv_heads, group, t, d))?;
-        let scale = 1.0 / (d as f64).sqrt();
         let mut chunks = Vec::with_capacity(t.div_ceil(QUERY_CHUNK));
         for start in (0..t).step_by(QUERY_CHUNK) {
             let n = QUERY_CHUNK.min(t - start);
@@ -101,14 +118,36 @@ impl Attention {
                 q.narrow(3, start, n)?.contiguous()?
             };
             let qc = qc.reshape((b, self.num_kv_heads, group * n, d))?;
-            let scores = (qc.matmul(&kt)? * scale)?;
-            let scores = if t > 1 {
-                // Query `start + i` sees keys up to `position + start + i`.
-                let mask = causal_mask(n, position + start, context, scores.device())?
-                    .unsqueeze(0)?
-                    .broadcast_as((group, n, context))?
-                    .reshape((group * n, context))?
-                    .broadcast_as(scores.shape())?;
+            // Keys before the chunk's first query's window are never seen by any of its queries: leave them out.
+            let first_query = position + start;
+            let first_key = match self.window {
+                Some(w) => (first_query + 1).saturating_sub(w).min(context),
+                None => 0,
+            };
+            let keys = context - first_key;
+            let (kc, vc) = if first_key == 0 {
+                (k.clone(), v.clone())
+            } else {
+                (k.narrow(2, first_key, keys)?, v.narrow(2, first_key, keys)?)
+            };
+            let scores = (qc.matmul(&kc.t()?)? * self.scale)?;
+            let scores = match self.softcap {
+                Some(cap) => ((scores / cap)?.tanh()? * cap)?,
+                None => scores,
+            };
+            let scores = if n > 1 {
+                let mask = attention_mask(
+                    n,
+                    first_query,
+                    first_key,
+                    keys,
+                    self.window,
+                    scores.device(),
+                )?
+                .unsqueeze(0)?
+                .broadcast_as((group, n, keys))?
+                .reshape((group * n, keys))?
+                .broadcast_as(scores.shape())?;
                 let neg_inf = Tensor::new(f32::NEG_INFINITY, scores.device())?
                     .broadcast_as(scores.shape())?;
                 mask.where_cond(&neg_inf, &scores)?
@@ -118,7 +157,7 @@ impl Attention {
             let probs = candle_nn::ops::softmax_last_dim(&scores)?;
             chunks.push(
                 probs
-                    .matmul(&v)?
+                    .matmul(&vc)?
                     .reshape((b, self.num_kv_heads, group, n, d))?,
             );
         }
@@ -137,12 +176,26 @@ impl Attention {
     }
 }
 
-/// `[rows, context]`, 1 where query `i` (at position `first + i`) must not see key `j`.
-fn causal_mask(rows: usize, first: usize, context: usize, device: &Device) -> Result<Tensor> {
+/// `[rows, keys]`, 1 where query `i` (at position `first_query + i`) must not see key `j` (at position
+/// `first_key + j`): a later key, or one outside the window.
+fn attention_mask(
+    rows: usize,
+    first_query: usize,
+    first_key: usize,
+    keys: usize,
+    window: Option<usize>,
+    device: &Device,
+) -> Result<Tensor> {
     let mask: Vec<u8> = (0..rows)
-        .flat_map(|i| (0..context).map(move |j| u8::from(j > first + i)))
+        .flat_map(|i| {
+            let query = first_query + i;
+            (0..keys).map(move |j| {
+                let key = first_key + j;
+                u8::from(key > query || window.is_some_and(|w| query - key >= w))
+            })
+        })
         .collect();
-    Ok(Tensor::from_slice(&mask, (rows, context), device)?)
+    Ok(Tensor::from_slice(&mask, (rows, keys), device)?)
 }
 
 fn empty_cache() -> ModelError {

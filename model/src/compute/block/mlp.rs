@@ -1,4 +1,5 @@
-//! The SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
+//! The gated feed-forward: down(act(gate(x)) * up(x)), SwiGLU or GeGLU.
+use crate::compute::family::Activation;
 use crate::compute::linear::{Linear, Stacked};
 use crate::error::{ModelError, Result};
 use candle_core::Tensor;
@@ -8,6 +9,7 @@ pub struct Mlp {
     /// Gate and up, in that order.
     pub(crate) gate_up: Stacked,
     pub(crate) down: Linear,
+    pub(crate) activation: Activation,
 }
 
 impl Mlp {
@@ -17,6 +19,11 @@ impl Mlp {
             .forward(x)?
             .try_into()
             .map_err(|_| ModelError::Config("gate/up projection lost a part".into()))?;
-        self.down.forward(&(candle_nn::ops::silu(&gate)? * up)?)
+        let gate = match self.activation {
+            Activation::Silu => candle_nn::ops::silu(&gate)?,
+            Activation::GeluTanh => gate.gelu()?,
+            Activation::Gelu => gate.gelu_erf()?,
+        };
+        self.down.forward(&(gate * up)?)
     }
 }

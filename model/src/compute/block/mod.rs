@@ -1,22 +1,41 @@
-//! One Llama-family decoder block: pre-norm attention and pre-norm SwiGLU MLP, each with a residual.
+//! One decoder block: pre-norm attention and a pre-norm gated feed-forward (or mixture of experts), each with a
+//! residual; the family options ([`crate::compute::family::FamilyOptions`]) add biases, norms, windows and caps.
 mod attention;
 mod kv_cache;
 mod mlp;
+mod moe;
 mod rope;
 
 pub use attention::Attention;
 
 pub use kv_cache::KvCache;
 pub use mlp::Mlp;
-pub use rope::Rope;
+pub use moe::MixtureOfExperts;
+pub use rope::{Rope, RopeParams};
 
 use crate::compute::linear::{Linear, Stacked};
 use crate::compute::placement::{normalise, Placement};
 use crate::compute::spec::ModelSpec;
 use crate::compute::weights::{BlockTensor, Weight, WeightSource};
 use crate::error::{ModelError, Result};
-use candle_core::{Module, Tensor};
+use candle_core::{DType, Module, Tensor};
 use candle_nn::RmsNorm;
+
+/// The block's feed-forward: one gated MLP, or a mixture of them.
+#[derive(Debug, Clone)]
+pub enum FeedForward {
+    Mlp(Mlp),
+    Experts(MixtureOfExperts),
+}
+
+impl FeedForward {
+    fn run(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Mlp(m) => m.run(x),
+            Self::Experts(m) => m.run(x),
+        }
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct Block {
@@ -24,12 +43,17 @@ pub struct Block {
     placement: Placement,
     attn_norm: RmsNorm,
     attn: Attention,
+    /// Norm of the attention's output before its residual (Gemma).
+    post_attn_norm: Option<RmsNorm>,
     ffn_norm: RmsNorm,
-    mlp: Mlp,
+    ffn: FeedForward,
+    /// Norm of the feed-forward's output before its residual (Gemma).
+    post_ffn_norm: Option<RmsNorm>,
 }
 
 impl Block {
-    /// Loads block `index` onto `placement`. `rope` must have been built for the same placement.
+    /// Loads block `index` onto `placement`. `rope` must have been built for the same placement and for this
+    /// layer ([`Rope::for_layer`]).
     pub fn load(
         source: &dyn WeightSource,
         spec: &ModelSpec,
@@ -38,11 +62,13 @@ impl Block {
         rope: Rope,
     ) -> Result<Self> {
         let p = &placement;
-        let (h, q_dim, kv_dim, ff) = (
+        let o = &spec.options;
+        let (h, q_dim, kv_dim, ff, hd) = (
             spec.hidden_size,
             spec.num_heads * spec.head_dim,
             spec.kv_dim(),
             spec.intermediate_size,
+            spec.head_dim,
         );
         let get = |t: BlockTensor, expected: &[usize]| -> Result<Weight> {
             let w = source.load_block(index, t, &p.device)?;
@@ -55,35 +81,101 @@ impl Block {
             }
             Ok(w)
         };
-        let norm = |t: BlockTensor| -> Result<RmsNorm> {
-            Ok(RmsNorm::new(get(t, &[h])?.dense(p)?, spec.rms_eps))
+        // Gemma's HF norms store `w - 1`: the 1 is added once here, in f32, as its reference computes it.
+        let norm = |t: BlockTensor, dim: usize| -> Result<RmsNorm> {
+            let w = get(t, &[dim])?;
+            let w = if o.norm_plus_one {
+                let f = w.dense(&Placement::new(p.device.clone(), DType::F32))?;
+                normalise(&(f + 1.0)?, p)?
+            } else {
+                w.dense(p)?
+            };
+            Ok(RmsNorm::new(w, spec.rms_eps))
         };
         let matmul = |t: BlockTensor, out: usize, inp: usize| -> Result<Linear> {
             get(t, &[out, inp])?.matmul(p)
         };
+        let qkv = if o.fused_projections {
+            Stacked::split(
+                matmul(BlockTensor::Qkv, q_dim + 2 * kv_dim, h)?,
+                vec![q_dim, kv_dim, kv_dim],
+            )
+        } else {
+            Stacked::new(vec![
+                matmul(BlockTensor::Q, q_dim, h)?,
+                matmul(BlockTensor::K, kv_dim, h)?,
+                matmul(BlockTensor::V, kv_dim, h)?,
+            ])?
+        };
+        let qkv_bias = if o.qkv_bias {
+            let bias = |t: BlockTensor, n: usize| get(t, &[n])?.dense(p);
+            Some([
+                bias(BlockTensor::QBias, q_dim)?,
+                bias(BlockTensor::KBias, kv_dim)?,
+                bias(BlockTensor::VBias, kv_dim)?,
+            ])
+        } else {
+            None
+        };
+        let qk_norm = if o.qk_norm {
+            Some([norm(BlockTensor::QNorm, hd)?, norm(BlockTensor::KNorm, hd)?])
+        } else {
+            None
+        };
+        let mlp = |gate: BlockTensor, up: BlockTensor, down: BlockTensor| -> Result<Mlp> {
+            Ok(Mlp {
+                gate_up: Stacked::new(vec![matmul(gate, ff, h)?, matmul(up, ff, h)?])?,
+                down: matmul(down, h, ff)?,
+                activation: o.activation,
+            })
+        };
+        let ffn = match (&o.moe, o.fused_projections) {
+            (Some(m), _) => FeedForward::Experts(MixtureOfExperts {
+                router: matmul(BlockTensor::Router, m.num_experts, h)?,
+                experts: (0..m.num_experts)
+                    .map(|e| {
+                        mlp(
+                            BlockTensor::ExpertGate(e),
+                            BlockTensor::ExpertUp(e),
+                            BlockTensor::ExpertDown(e),
+                        )
+                    })
+                    .collect::<Result<_>>()?,
+                experts_per_token: m.experts_per_token,
+                normalize_top_k: m.normalize_top_k,
+            }),
+            (None, true) => FeedForward::Mlp(Mlp {
+                gate_up: Stacked::split(matmul(BlockTensor::GateUp, 2 * ff, h)?, vec![ff, ff]),
+                down: matmul(BlockTensor::Down, h, ff)?,
+                activation: o.activation,
+            }),
+            (None, false) => {
+                FeedForward::Mlp(mlp(BlockTensor::Gate, BlockTensor::Up, BlockTensor::Down)?)
+            }
+        };
+        let sandwich = |t: BlockTensor| -> Result<Option<RmsNorm>> {
+            o.sandwich_norms.then(|| norm(t, h)).transpose()
+        };
         Ok(Self {
             index,
-            attn_norm: norm(BlockTensor::AttnNorm)?,
+            attn_norm: norm(BlockTensor::AttnNorm, h)?,
             attn: Attention {
-                qkv: Stacked::new(vec![
-                    matmul(BlockTensor::Q, q_dim, h)?,
-                    matmul(BlockTensor::K, kv_dim, h)?,
-                    matmul(BlockTensor::V, kv_dim, h)?,
-                ])?,
+                qkv,
+                qkv_bias,
+                qk_norm,
                 o: matmul(BlockTensor::O, h, q_dim)?,
                 num_heads: spec.num_heads,
                 num_kv_heads: spec.num_kv_heads,
                 head_dim: spec.head_dim,
+                scale: 1.0 / o.query_pre_attn_scalar.unwrap_or(hd as f64).sqrt(),
+                softcap: o.attn_softcap,
+                window: spec.window(index),
                 rope,
             },
-            ffn_norm: norm(BlockTensor::FfnNorm)?,
-            mlp: Mlp {
-                gate_up: Stacked::new(vec![
-                    matmul(BlockTensor::Gate, ff, h)?,
-                    matmul(BlockTensor::Up, ff, h)?,
-                ])?,
-                down: matmul(BlockTensor::Down, h, ff)?,
-            },
+            post_attn_norm: sandwich(BlockTensor::PostAttnNorm)?,
+            ffn_norm: norm(BlockTensor::FfnNorm, h)?,
+            ffn,
+            post_ffn_norm: sandwich(BlockTensor::PostFfnNorm)?,
             placement,
         })
     }
@@ -147,8 +239,18 @@ impl Block {
         } else {
             Tensor::cat(&attended, 1)?
         };
-        let x = (self.attn.output(&y)? + &x)?;
-        let x = (self.mlp.run(&self.ffn_norm.forward(&x)?)? + x)?;
+        let y = self.attn.output(&y)?;
+        let y = match &self.post_attn_norm {
+            Some(n) => n.forward(&y)?,
+            None => y,
+        };
+        let x = (y + &x)?;
+        let y = self.ffn.run(&self.ffn_norm.forward(&x)?)?;
+        let y = match &self.post_ffn_norm {
+            Some(n) => n.forward(&y)?,
+            None => y,
+        };
+        let x = (y + x)?;
         let mut start = 0;
         shapes
             .into_iter()

@@ -12,9 +12,44 @@ pub struct Rope {
     max_position: usize,
 }
 
+/// What a layer's RoPE table depends on besides the model: its base and its linear scaling. Layers with equal
+/// parameters on one placement share a table.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeParams {
+    pub theta: f32,
+    pub linear_factor: Option<f32>,
+}
+
+impl RopeParams {
+    /// Layer `layer`'s parameters: Gemma 3's windowed layers have their own base and no scaling.
+    pub fn for_layer(spec: &ModelSpec, layer: usize) -> Self {
+        let o = &spec.options;
+        match (spec.window(layer), o.local_rope_theta) {
+            (Some(_), Some(theta)) => Self {
+                theta,
+                linear_factor: None,
+            },
+            _ => Self {
+                theta: spec.rope_theta,
+                linear_factor: o.rope_linear_factor,
+            },
+        }
+    }
+}
+
 impl Rope {
+    /// The table of a model's layers when they all share one (every family but Gemma 3).
     pub fn new(spec: &ModelSpec, p: &Placement) -> Result<Self> {
-        let inv_freq = inverse_frequencies(spec);
+        Self::with_params(spec, p, RopeParams::for_layer(spec, 0))
+    }
+
+    /// The table of layer `layer`.
+    pub fn for_layer(spec: &ModelSpec, p: &Placement, layer: usize) -> Result<Self> {
+        Self::with_params(spec, p, RopeParams::for_layer(spec, layer))
+    }
+
+    pub fn with_params(spec: &ModelSpec, p: &Placement, params: RopeParams) -> Result<Self> {
+        let inv_freq = inverse_frequencies(spec, params);
         let n = inv_freq.len();
         let inv_freq = Tensor::from_vec(inv_freq, (1, n), &p.device)?;
         let positions = Tensor::arange(0u32, spec.max_position as u32, &p.device)?
@@ -50,13 +85,16 @@ impl Rope {
     }
 }
 
-/// Per-pair inverse frequencies, with Llama 3 scaling when the config asks for it.
-fn inverse_frequencies(spec: &ModelSpec) -> Vec<f32> {
+/// Per-pair inverse frequencies, with linear or Llama 3 scaling when the config asks for it.
+fn inverse_frequencies(spec: &ModelSpec, params: RopeParams) -> Vec<f32> {
     let d = spec.head_dim;
     let base: Vec<f32> = (0..d)
         .step_by(2)
-        .map(|i| 1f32 / spec.rope_theta.powf(i as f32 / d as f32))
+        .map(|i| 1f32 / params.theta.powf(i as f32 / d as f32))
         .collect();
+    if let Some(factor) = params.linear_factor {
+        return base.into_iter().map(|f| f / factor).collect();
+    }
     let Some(s) = spec.rope_scaling else {
         return base;
     };

@@ -31,6 +31,11 @@ impl Stacked {
         Ok(Self::Many(parts))
     }
 
+    /// One matrix already holding the parts' rows one after another (a file's fused q/k/v or gate/up).
+    pub fn split(fused: Linear, widths: Vec<usize>) -> Self {
+        Self::One(fused, widths)
+    }
+
     /// Each part's output for `x` (`[..., in]`), in order.
     pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         match self {

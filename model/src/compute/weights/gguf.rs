@@ -82,17 +82,32 @@ impl GgufWeights {
 
 fn gguf_block_name(block: usize, t: BlockTensor) -> String {
     let leaf = match t {
-        BlockTensor::AttnNorm => "attn_norm",
-        BlockTensor::Q => "attn_q",
-        BlockTensor::K => "attn_k",
-        BlockTensor::V => "attn_v",
-        BlockTensor::O => "attn_output",
-        BlockTensor::FfnNorm => "ffn_norm",
-        BlockTensor::Gate => "ffn_gate",
-        BlockTensor::Up => "ffn_up",
-        BlockTensor::Down => "ffn_down",
+        BlockTensor::AttnNorm => "attn_norm.weight".to_string(),
+        BlockTensor::Q => "attn_q.weight".into(),
+        BlockTensor::K => "attn_k.weight".into(),
+        BlockTensor::V => "attn_v.weight".into(),
+        BlockTensor::O => "attn_output.weight".into(),
+        BlockTensor::FfnNorm => "ffn_norm.weight".into(),
+        BlockTensor::Gate => "ffn_gate.weight".into(),
+        BlockTensor::Up => "ffn_up.weight".into(),
+        BlockTensor::Down => "ffn_down.weight".into(),
+        BlockTensor::QBias => "attn_q.bias".into(),
+        BlockTensor::KBias => "attn_k.bias".into(),
+        BlockTensor::VBias => "attn_v.bias".into(),
+        BlockTensor::QNorm => "attn_q_norm.weight".into(),
+        BlockTensor::KNorm => "attn_k_norm.weight".into(),
+        BlockTensor::PostAttnNorm => "post_attention_norm.weight".into(),
+        BlockTensor::PostFfnNorm => "post_ffw_norm.weight".into(),
+        BlockTensor::Qkv => "attn_qkv.weight".into(),
+        // llama.cpp keeps Phi-3's fused gate/up under the up projection's name.
+        BlockTensor::GateUp => "ffn_up.weight".into(),
+        BlockTensor::Router => "ffn_gate_inp.weight".into(),
+        // GGUF stacks experts into one 3-D tensor per matrix; single experts have no name of their own.
+        BlockTensor::ExpertGate(e) => format!("ffn_gate_exps.{e}"),
+        BlockTensor::ExpertUp(e) => format!("ffn_up_exps.{e}"),
+        BlockTensor::ExpertDown(e) => format!("ffn_down_exps.{e}"),
     };
-    format!("blk.{block}.{leaf}.weight")
+    format!("blk.{block}.{leaf}")
 }
 
 impl WeightSource for GgufWeights {

@@ -184,6 +184,7 @@ impl Llama2cWeights {
             tie_embeddings: h.shared_classifier,
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
+            options: Default::default(),
         };
         spec.validate()?;
         Ok(spec)

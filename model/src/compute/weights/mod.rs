@@ -20,7 +20,7 @@ use sha2::Sha256;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// The tensors of one transformer block, named independently of the file format.
+/// The tensors of one transformer block, named independently of the file format and the family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockTensor {
     AttnNorm,
@@ -32,6 +32,46 @@ pub enum BlockTensor {
     Gate,
     Up,
     Down,
+    /// Biases of the query/key/value projections (Qwen2).
+    QBias,
+    KBias,
+    VBias,
+    /// Per-head RMSNorm weights of queries and keys (Qwen3, Gemma 3).
+    QNorm,
+    KNorm,
+    /// Norms of the attention's and the feed-forward's outputs (Gemma 2/3).
+    PostAttnNorm,
+    PostFfnNorm,
+    /// Fused q/k/v and gate/up matrices (Phi-3).
+    Qkv,
+    GateUp,
+    /// The mixture-of-experts router, `[experts, hidden]`.
+    Router,
+    /// Expert `e`'s SwiGLU matrices.
+    ExpertGate(usize),
+    ExpertUp(usize),
+    ExpertDown(usize),
+}
+
+/// How a family names its tensors in Hugging Face checkpoints, where that differs from Llama's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum HfLayout {
+    #[default]
+    Llama,
+    /// `pre_feedforward_layernorm` is the MLP's input norm, `post_attention_layernorm` the attention's output norm.
+    Gemma,
+    /// Experts under `block_sparse_moe` (`w1` gate, `w3` up, `w2` down).
+    Mixtral,
+}
+
+impl HfLayout {
+    pub fn for_architecture(architecture: &str) -> Self {
+        match architecture {
+            "gemma2" | "gemma3" => Self::Gemma,
+            "mixtral" => Self::Mixtral,
+            _ => Self::Llama,
+        }
+    }
 }
 
 /// The tensors outside the blocks, which only the client holds.

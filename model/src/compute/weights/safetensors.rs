@@ -1,6 +1,6 @@
 //! Hugging Face safetensors, one file or sharded (`model.safetensors.index.json`), memory-mapped: a tensor's pages
 //! are touched only when it is loaded.
-use super::{BlockTensor, HeadTensor, LoadLog, Weight, WeightSource};
+use super::{BlockTensor, HeadTensor, HfLayout, LoadLog, Weight, WeightSource};
 use crate::error::{ModelError, Result};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::Device;
@@ -12,6 +12,7 @@ pub struct SafetensorsWeights {
     files: Vec<PathBuf>,
     st: MmapedSafetensors,
     log: LoadLog,
+    layout: HfLayout,
 }
 
 impl SafetensorsWeights {
@@ -46,7 +47,14 @@ impl SafetensorsWeights {
             files,
             st,
             log: LoadLog::default(),
+            layout: HfLayout::Llama,
         })
+    }
+
+    /// Names block tensors the way `layout`'s family does (Llama's until set).
+    pub fn with_layout(mut self, layout: HfLayout) -> Self {
+        self.layout = layout;
+        self
     }
 
     fn load(&self, name: &str, device: &Device) -> Result<Weight> {
@@ -81,24 +89,51 @@ fn shard_files(dir: &Path, index: &Path) -> Result<Vec<PathBuf>> {
     Ok(names.into_iter().map(|f| dir.join(f)).collect())
 }
 
-pub(crate) fn hf_block_name(block: usize, t: BlockTensor) -> String {
+pub(crate) fn hf_block_name(layout: HfLayout, block: usize, t: BlockTensor) -> String {
+    let gemma = layout == HfLayout::Gemma;
     let leaf = match t {
-        BlockTensor::AttnNorm => "input_layernorm",
-        BlockTensor::Q => "self_attn.q_proj",
-        BlockTensor::K => "self_attn.k_proj",
-        BlockTensor::V => "self_attn.v_proj",
-        BlockTensor::O => "self_attn.o_proj",
-        BlockTensor::FfnNorm => "post_attention_layernorm",
-        BlockTensor::Gate => "mlp.gate_proj",
-        BlockTensor::Up => "mlp.up_proj",
-        BlockTensor::Down => "mlp.down_proj",
+        BlockTensor::AttnNorm => "input_layernorm.weight".to_string(),
+        BlockTensor::Q => "self_attn.q_proj.weight".into(),
+        BlockTensor::K => "self_attn.k_proj.weight".into(),
+        BlockTensor::V => "self_attn.v_proj.weight".into(),
+        BlockTensor::O => "self_attn.o_proj.weight".into(),
+        BlockTensor::FfnNorm if gemma => "pre_feedforward_layernorm.weight".into(),
+        BlockTensor::FfnNorm | BlockTensor::PostAttnNorm => {
+            "post_attention_layernorm.weight".into()
+        }
+        BlockTensor::PostFfnNorm => "post_feedforward_layernorm.weight".into(),
+        BlockTensor::Gate => "mlp.gate_proj.weight".into(),
+        BlockTensor::Up => "mlp.up_proj.weight".into(),
+        BlockTensor::Down => "mlp.down_proj.weight".into(),
+        BlockTensor::QBias => "self_attn.q_proj.bias".into(),
+        BlockTensor::KBias => "self_attn.k_proj.bias".into(),
+        BlockTensor::VBias => "self_attn.v_proj.bias".into(),
+        BlockTensor::QNorm => "self_attn.q_norm.weight".into(),
+        BlockTensor::KNorm => "self_attn.k_norm.weight".into(),
+        BlockTensor::Qkv => "self_attn.qkv_proj.weight".into(),
+        BlockTensor::GateUp => "mlp.gate_up_proj.weight".into(),
+        BlockTensor::Router if layout == HfLayout::Mixtral => "block_sparse_moe.gate.weight".into(),
+        BlockTensor::Router => "mlp.gate.weight".into(),
+        BlockTensor::ExpertGate(e) | BlockTensor::ExpertUp(e) | BlockTensor::ExpertDown(e)
+            if layout == HfLayout::Mixtral =>
+        {
+            let w = match t {
+                BlockTensor::ExpertGate(_) => "w1",
+                BlockTensor::ExpertUp(_) => "w3",
+                _ => "w2",
+            };
+            format!("block_sparse_moe.experts.{e}.{w}.weight")
+        }
+        BlockTensor::ExpertGate(e) => format!("mlp.experts.{e}.gate_proj.weight"),
+        BlockTensor::ExpertUp(e) => format!("mlp.experts.{e}.up_proj.weight"),
+        BlockTensor::ExpertDown(e) => format!("mlp.experts.{e}.down_proj.weight"),
     };
-    format!("model.layers.{block}.{leaf}.weight")
+    format!("model.layers.{block}.{leaf}")
 }
 
 impl WeightSource for SafetensorsWeights {
     fn load_block(&self, block: usize, t: BlockTensor, device: &Device) -> Result<Weight> {
-        self.load(&hf_block_name(block, t), device)
+        self.load(&hf_block_name(self.layout, block, t), device)
     }
 
     fn load_head(&self, t: HeadTensor, device: &Device) -> Result<Option<Weight>> {

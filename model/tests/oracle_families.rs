@@ -1,0 +1,479 @@
+//! Every supported family, as a random-weight model in HF format, run by our spans split in three and by
+//! candle-transformers' monolithic model of that family: logits within 1e-4 and 64 greedy tokens identical.
+//!
+//! The reference recomputes the whole sequence at every step (its cache cleared): that is the one path where each
+//! of candle's models applies its own attention mask, so sliding windows are compared as the model defines them
+//! rather than as a cache happens to hold them. Where candle departs from Hugging Face the test says how it is
+//! kept out of the comparison.
+mod common;
+
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, Tensor};
+use candle_transformers::models::{gemma2, gemma3, mistral, mixtral, phi3, qwen2, qwen3};
+use common::*;
+use petal_model::synthetic::{write_model, SyntheticFamily, SyntheticShape, WeightDType};
+use petal_model::ModelSource;
+use std::path::Path;
+
+/// Small enough to run 64 full recomputations per family in a second, with GQA, six blocks (two of them global
+/// in Gemma 3's pattern of three) and a context (prompt + 64 steps) well inside `max_position`.
+const SHAPE: SyntheticShape = SyntheticShape {
+    name: "oracle",
+    hidden_size: 64,
+    num_blocks: 6,
+    num_heads: 4,
+    num_kv_heads: 2,
+    intermediate_size: 128,
+    vocab_size: 256,
+    tie_embeddings: true,
+    max_position: 512,
+    family: SyntheticFamily::Llama,
+    sliding_window: None,
+};
+const SEED: u64 = 16;
+const PROMPT: [u32; 8] = [1, 17, 42, 99, 5, 200, 3, 77];
+
+/// Writes the family's model, runs ours against `reference` (a monolithic model whose `forward(all tokens, 0)`
+/// gives the last position's logits), and returns the greedy tokens.
+fn check(
+    shape: SyntheticShape,
+    reference: impl Fn(
+        &Path,
+        &serde_json::Value,
+        &candle_nn::VarBuilder<'static>,
+    ) -> Box<dyn FnMut(&Tensor) -> Tensor>,
+) -> Vec<u32> {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path(), &shape, WeightDType::F32, SEED).unwrap();
+    let source = ModelSource::open(dir.path()).unwrap();
+    assert_eq!(
+        source.spec().architecture,
+        shape.family.name().trim_end_matches("_text")
+    );
+    let mut ours = Composed::new(&source, &[(0, 2), (2, 4), (4, 6)]);
+    let dev = Device::Cpu;
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap())
+            .unwrap();
+    let vb = unsafe {
+        candle_nn::VarBuilder::from_mmaped_safetensors(
+            &[dir.path().join("model.safetensors")],
+            DType::F32,
+            &dev,
+        )
+    }
+    .unwrap();
+    let mut forward = reference(dir.path(), &config, &vb);
+    let mut all: Vec<u32> = vec![];
+    let oracle = |ids: &[u32], _pos: usize| {
+        all.extend_from_slice(ids);
+        let x = Tensor::new(all.as_slice(), &dev)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        forward(&x).flatten_all().unwrap()
+    };
+    compare(&mut ours, oracle, &PROMPT)
+}
+
+/// A reference model fed token by token: `(token, position)` to logits.
+type Incremental = Box<dyn FnMut(&Tensor, usize) -> Tensor>;
+
+fn config<T: serde::de::DeserializeOwned>(json: &serde_json::Value) -> T {
+    serde_json::from_value(json.clone()).unwrap()
+}
+
+#[test]
+fn qwen2_biases_match_candle_qwen2() {
+    check(SHAPE.with_family(SyntheticFamily::Qwen2), |_, json, vb| {
+        let mut m = qwen2::ModelForCausalLM::new(&config(json), vb.clone()).unwrap();
+        Box::new(move |x| {
+            m.clear_kv_cache();
+            m.forward(x, 0).unwrap()
+        })
+    });
+}
+
+#[test]
+fn qwen3_qk_norms_match_candle_qwen3() {
+    check(SHAPE.with_family(SyntheticFamily::Qwen3), |_, json, vb| {
+        let mut m = qwen3::ModelForCausalLM::new(&config(json), vb.clone()).unwrap();
+        Box::new(move |x| {
+            m.clear_kv_cache();
+            m.forward(x, 0).unwrap()
+        })
+    });
+}
+
+/// A window of 5 positions, shorter than the 8-token prompt, over a 72-token context: the prompt's mask and every
+/// decode step's cut of the cache are windowed. candle's Mistral mask lets a query see `window + 1` keys (`j + w <
+/// i` masks) where HF sees `window` (`i - j < w`), so the reference is given `window - 1`.
+#[test]
+fn mistral_sliding_window_matches_candle_mistral() {
+    let mut shape = SHAPE.with_family(SyntheticFamily::Mistral);
+    shape.sliding_window = Some(5);
+    check(shape, |_, json, vb| {
+        let mut cfg: mistral::Config = config(json);
+        cfg.sliding_window = Some(4);
+        let mut m = mistral::Model::new(&cfg, vb.clone()).unwrap();
+        Box::new(move |x| {
+            m.clear_kv_cache();
+            m.forward(x, 0).unwrap()
+        })
+    });
+}
+
+#[test]
+fn mixtral_experts_match_candle_mixtral() {
+    let mut shape = SHAPE.with_family(SyntheticFamily::Mixtral);
+    // candle's config requires a window; one as long as the context leaves attention whole.
+    shape.sliding_window = Some(SHAPE.max_position);
+    check(shape, |_, json, vb| {
+        let cfg: mixtral::Config = config(json);
+        let vb = vb.clone();
+        // candle's Mixtral cannot clear its cache: a fresh model per step (the weights are memory-mapped).
+        Box::new(move |x| {
+            let mut m = mixtral::Model::new(&cfg, vb.clone()).unwrap();
+            m.forward(x, 0).unwrap()
+        })
+    });
+}
+
+#[test]
+fn phi3_fused_projections_match_candle_phi3() {
+    check(SHAPE.with_family(SyntheticFamily::Phi3), |_, json, vb| {
+        let mut m = phi3::Model::new(&config(json), vb.clone()).unwrap();
+        Box::new(move |x| {
+            m.clear_kv_cache();
+            m.forward(x, 0).unwrap()
+        })
+    });
+}
+
+/// candle's Gemma 2 windows every layer where HF windows the even ones, so its window is kept longer than the
+/// context here (model/src/compute/block tests cover windowed attention itself); soft-capping, GeGLU, the four
+/// norms per block and scaled embeddings are all compared.
+#[test]
+fn gemma2_matches_candle_gemma2() {
+    check(SHAPE.with_family(SyntheticFamily::Gemma2), |_, json, vb| {
+        let mut m = gemma2::Model::new(false, &config(json), vb.clone()).unwrap();
+        Box::new(move |x| {
+            m.clear_kv_cache();
+            m.forward(x, 0).unwrap()
+        })
+    });
+}
+
+/// Two RoPE bases (1,000 for the windowed layers, 10,000 for every third, global one) and q/k norms. candle's
+/// Gemma 3 fails to cache a multi-token step (its keys are not contiguous), so it is fed one token at a time.
+#[test]
+fn gemma3_matches_candle_gemma3() {
+    check(SHAPE.with_family(SyntheticFamily::Gemma3), |_, json, vb| {
+        let mut m = gemma3::Model::new(false, &config(json), vb.clone()).unwrap();
+        let mut done = 0;
+        Box::new(move |x| {
+            let total = x.dim(1).unwrap();
+            let mut logits = None;
+            for pos in done..total {
+                logits = Some(m.forward(&x.narrow(1, pos, 1).unwrap(), pos).unwrap());
+            }
+            done = total;
+            logits.unwrap()
+        })
+    });
+}
+
+/// The families differ from each other: the same seed and shape give different logits per family, so no family
+/// silently runs as plain Llama.
+#[test]
+fn families_are_not_llama_in_disguise() {
+    let prompt = PROMPT;
+    let mut seen: Vec<(SyntheticFamily, Vec<f32>)> = vec![];
+    for family in SyntheticFamily::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        write_model(
+            dir.path(),
+            &SHAPE.with_family(family),
+            WeightDType::F32,
+            SEED,
+        )
+        .unwrap();
+        let source = ModelSource::open(dir.path()).unwrap();
+        let mut ours = Composed::new(&source, &[(0, 6)]);
+        let logits = ours.logits(&prompt).to_vec1::<f32>().unwrap();
+        for (other, l) in &seen {
+            let diff = l
+                .iter()
+                .zip(&logits)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(diff > 1e-3, "{family:?} gives {other:?}'s logits");
+        }
+        seen.push((family, logits));
+    }
+}
+
+/// A windowed prompt longer than one query chunk (256 rows) gives the same last logits in one step as fed in pieces
+/// of 7 tokens: each chunk leaves out exactly the keys before its window.
+#[test]
+fn windowed_long_prefill_equals_stepwise() {
+    let mut shape = SHAPE.with_family(SyntheticFamily::Mistral);
+    shape.sliding_window = Some(100);
+    shape.max_position = 1024;
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path(), &shape, WeightDType::F32, SEED).unwrap();
+    let source = ModelSource::open(dir.path()).unwrap();
+    let prompt: Vec<u32> = (0..600u32).map(|i| (i * 37 + 11) % 256).collect();
+    let mut whole = Composed::new(&source, &[(0, 3), (3, 6)]);
+    let a = whole.logits(&prompt);
+    let mut pieces = Composed::new(&source, &[(0, 6)]);
+    let mut b = None;
+    for piece in prompt.chunks(7) {
+        b = Some(pieces.logits(piece));
+    }
+    let diff = max_abs_diff(&a, &b.unwrap());
+    assert!(diff < TOLERANCE, "one step vs pieces: {diff}");
+}
+
+/// The synthetic model of `family` converted to GGUF the way llama.cpp's converter lays it out (its tensor names
+/// and metadata keys; Gemma's norms stored with their 1 added), matrices in Q8_0, vectors in f32.
+fn write_gguf(hf: &Path, family: SyntheticFamily, matrices: GgmlDType, out: &Path) {
+    use candle_core::quantized::{gguf_file, QTensor};
+    let arch = family.name().trim_end_matches("_text");
+    let st = candle_core::safetensors::load(hf.join("model.safetensors"), &Device::Cpu).unwrap();
+    let gemma = arch.starts_with("gemma");
+    let rename = |name: &str| -> String {
+        let leaf = |l: &str| -> &str {
+            match l {
+                "input_layernorm.weight" => "attn_norm.weight",
+                "self_attn.q_proj.weight" => "attn_q.weight",
+                "self_attn.k_proj.weight" => "attn_k.weight",
+                "self_attn.v_proj.weight" => "attn_v.weight",
+                "self_attn.q_proj.bias" => "attn_q.bias",
+                "self_attn.k_proj.bias" => "attn_k.bias",
+                "self_attn.v_proj.bias" => "attn_v.bias",
+                "self_attn.qkv_proj.weight" => "attn_qkv.weight",
+                "self_attn.q_norm.weight" => "attn_q_norm.weight",
+                "self_attn.k_norm.weight" => "attn_k_norm.weight",
+                "self_attn.o_proj.weight" => "attn_output.weight",
+                "post_attention_layernorm.weight" if gemma => "post_attention_norm.weight",
+                "post_attention_layernorm.weight" => "ffn_norm.weight",
+                "pre_feedforward_layernorm.weight" => "ffn_norm.weight",
+                "post_feedforward_layernorm.weight" => "post_ffw_norm.weight",
+                "mlp.gate_proj.weight" => "ffn_gate.weight",
+                "mlp.up_proj.weight" | "mlp.gate_up_proj.weight" => "ffn_up.weight",
+                "mlp.down_proj.weight" => "ffn_down.weight",
+                other => panic!("no GGUF name for {other}"),
+            }
+        };
+        match name {
+            "model.embed_tokens.weight" => "token_embd.weight".into(),
+            "model.norm.weight" => "output_norm.weight".into(),
+            "lm_head.weight" => "output.weight".into(),
+            _ => {
+                let rest = name.strip_prefix("model.layers.").unwrap();
+                let (i, l) = rest.split_once('.').unwrap();
+                format!("blk.{i}.{}", leaf(l))
+            }
+        }
+    };
+    let mut tensors: Vec<(String, QTensor)> = st
+        .iter()
+        .map(|(name, t)| {
+            let t = if gemma && name.ends_with("norm.weight") {
+                (t + 1.0).unwrap()
+            } else {
+                t.clone()
+            };
+            let dtype = if t.rank() == 2 {
+                matrices
+            } else {
+                GgmlDType::F32
+            };
+            (rename(name), QTensor::quantize(&t, dtype).unwrap())
+        })
+        .collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let s = SHAPE;
+    let hd = s.hidden_size / s.num_heads;
+    let u = |v: usize| gguf_file::Value::U32(v as u32);
+    let k = |key: &str| format!("{arch}.{key}");
+    let mut md: Vec<(String, gguf_file::Value)> = vec![
+        (
+            "general.architecture".into(),
+            gguf_file::Value::String(arch.into()),
+        ),
+        // candle's quantized Qwen3 computes in this dtype (f16 unless told 0: f32).
+        ("general.dtype".into(), u(0)),
+        (k("block_count"), u(s.num_blocks)),
+        (k("embedding_length"), u(s.hidden_size)),
+        (k("feed_forward_length"), u(s.intermediate_size)),
+        (k("attention.head_count"), u(s.num_heads)),
+        (k("attention.head_count_kv"), u(s.num_kv_heads)),
+        (k("attention.key_length"), u(hd)),
+        (k("attention.value_length"), u(hd)),
+        (k("rope.dimension_count"), u(hd)),
+        (k("context_length"), u(s.max_position)),
+        (k("rope.freq_base"), gguf_file::Value::F32(10_000.0)),
+        (
+            k("attention.layer_norm_rms_epsilon"),
+            gguf_file::Value::F32(1e-5),
+        ),
+    ];
+    if arch == "gemma2" {
+        md.extend([
+            (k("attention.sliding_window"), u(s.max_position)),
+            (k("attn_logit_softcapping"), gguf_file::Value::F32(50.0)),
+            (k("final_logit_softcapping"), gguf_file::Value::F32(30.0)),
+        ]);
+    }
+    if arch == "gemma3" {
+        md.extend([
+            (k("attention.sliding_window"), u(s.max_position)),
+            (k("attention.sliding_window_type"), u(3)),
+            (k("rope.local_freq_base"), gguf_file::Value::F32(1000.0)),
+        ]);
+    }
+    let md_refs: Vec<(&str, &gguf_file::Value)> = md.iter().map(|(a, b)| (a.as_str(), b)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(a, b)| (a.as_str(), b)).collect();
+    let mut f = std::fs::File::create(out).unwrap();
+    gguf_file::write(&mut f, &md_refs, &t_refs).unwrap();
+}
+
+/// Our GGUF spans against candle's quantized model of the family, on the same Q8_0 file.
+fn check_gguf(
+    family: SyntheticFamily,
+    reference: impl FnOnce(&Path) -> Box<dyn FnMut(&Tensor) -> Tensor>,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(
+        dir.path(),
+        &SHAPE.with_family(family),
+        WeightDType::F32,
+        SEED,
+    )
+    .unwrap();
+    let gguf = dir.path().join("model-q8_0.gguf");
+    write_gguf(dir.path(), family, GgmlDType::Q8_0, &gguf);
+    let source = ModelSource::open(&gguf).unwrap();
+    let mut ours = Composed::new(&source, &[(0, 2), (2, 4), (4, 6)]);
+    let mut forward = reference(&gguf);
+    let dev = Device::Cpu;
+    let mut all: Vec<u32> = vec![];
+    let oracle = |ids: &[u32], _pos: usize| {
+        all.extend_from_slice(ids);
+        let x = Tensor::new(all.as_slice(), &dev)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        forward(&x).flatten_all().unwrap()
+    };
+    compare(&mut ours, oracle, &PROMPT);
+}
+
+fn gguf_content(path: &Path) -> (candle_core::quantized::gguf_file::Content, std::fs::File) {
+    let mut file = std::fs::File::open(path).unwrap();
+    let content = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
+    (content, file)
+}
+
+#[test]
+fn qwen2_gguf_matches_candle_quantized_qwen2() {
+    use candle_transformers::models::quantized_qwen2 as q;
+    check_gguf(SyntheticFamily::Qwen2, |path| {
+        let (content, mut file) = gguf_content(path);
+        let mut m = q::ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
+        Box::new(move |x| {
+            m.clear_kv_cache();
+            m.forward(x, 0).unwrap()
+        })
+    });
+}
+
+#[test]
+fn qwen3_gguf_matches_candle_quantized_qwen3() {
+    use candle_transformers::models::quantized_qwen3 as q;
+    check_gguf(SyntheticFamily::Qwen3, |path| {
+        let (content, mut file) = gguf_content(path);
+        let mut m = q::ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
+        Box::new(move |x| {
+            m.clear_kv_cache();
+            m.forward(x, 0).unwrap()
+        })
+    });
+}
+
+#[test]
+fn phi3_gguf_matches_candle_quantized_phi3() {
+    use candle_transformers::models::quantized_phi3 as q;
+    check_gguf(SyntheticFamily::Phi3, |path| {
+        let (content, mut file) = gguf_content(path);
+        let mut m = q::ModelWeights::from_gguf(false, content, &mut file, &Device::Cpu).unwrap();
+        Box::new(move |x| m.forward(x, 0).unwrap())
+    });
+}
+
+/// Our GGUF spans of a Gemma model, stored in f32 so that no quantization stands between them, against candle's
+/// HF model of the family on the same weights: names, metadata, the norms' added 1, soft-caps, the window pattern
+/// and the local RoPE base all have to be read right. (candle's quantized Gemma 3 gates its MLP with SiLU where
+/// Gemma, HF and llama.cpp alike, uses GELU, so it cannot be the reference; candle has no quantized Gemma 2.)
+fn check_gemma_gguf(family: SyntheticFamily) {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(
+        dir.path(),
+        &SHAPE.with_family(family),
+        WeightDType::F32,
+        SEED,
+    )
+    .unwrap();
+    let gguf = dir.path().join("model-f32.gguf");
+    write_gguf(dir.path(), family, GgmlDType::F32, &gguf);
+    let source = ModelSource::open(&gguf).unwrap();
+    assert_eq!(
+        source.spec().architecture,
+        family.name().trim_end_matches("_text")
+    );
+    let mut ours = Composed::new(&source, &[(0, 2), (2, 4), (4, 6)]);
+    let dev = Device::Cpu;
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap())
+            .unwrap();
+    let vb = unsafe {
+        candle_nn::VarBuilder::from_mmaped_safetensors(
+            &[dir.path().join("model.safetensors")],
+            DType::F32,
+            &dev,
+        )
+    }
+    .unwrap();
+    // One token at a time: candle's Gemma 3 cannot cache a multi-token step.
+    let mut forward: Incremental = match family {
+        SyntheticFamily::Gemma2 => {
+            let mut m = gemma2::Model::new(false, &config(&json), vb).unwrap();
+            Box::new(move |x, pos| m.forward(x, pos).unwrap())
+        }
+        _ => {
+            let mut m = gemma3::Model::new(false, &config(&json), vb).unwrap();
+            Box::new(move |x, pos| m.forward(x, pos).unwrap())
+        }
+    };
+    let oracle = |ids: &[u32], pos: usize| {
+        let mut logits = None;
+        for (i, &id) in ids.iter().enumerate() {
+            let x = Tensor::new(&[id], &dev).unwrap().unsqueeze(0).unwrap();
+            logits = Some(forward(&x, pos + i));
+        }
+        logits.unwrap().flatten_all().unwrap()
+    };
+    compare(&mut ours, oracle, &PROMPT);
+}
+
+#[test]
+fn gemma2_gguf_matches_candle_gemma2() {
+    check_gemma_gguf(SyntheticFamily::Gemma2);
+}
+
+#[test]
+fn gemma3_gguf_matches_candle_gemma3() {
+    check_gemma_gguf(SyntheticFamily::Gemma3);
+}
