@@ -1,10 +1,9 @@
 //! A whole swarm in this process on loopback: a bootstrap peer and nodes serving spans of one model. `petal demo`,
 //! `petal-bench` and the in-process tests start theirs here.
 use petal_client::{ClientError, SwarmClient};
-use petal_model::BlockRange;
+use petal_model::{BlockRange, ModelRef};
 use petal_node::{Node, NodeConfig, NodeError};
 use petal_p2p::{Keypair, Multiaddr, NetConfig, Network};
-use std::path::Path;
 use std::time::Duration;
 
 /// How long the bootstrap keeps DHT records (the nodes' own TTL decides when theirs expire).
@@ -57,13 +56,14 @@ impl LocalSwarm {
     /// A bootstrap and one node per span of `model`, named node1, node2, ...; `configure` adjusts each node's
     /// configuration (device, dtype, budgets) before it starts.
     pub async fn start(
-        model: &Path,
+        model: impl Into<ModelRef>,
         spans: &[BlockRange],
         configure: impl Fn(&mut NodeConfig),
     ) -> Result<Self, LocalSwarmError> {
+        let model = model.into();
         let mut swarm = Self::bootstrap().await?;
         for range in spans {
-            let mut config = swarm.node_config(model, *range);
+            let mut config = swarm.node_config(&model, *range);
             configure(&mut config);
             if let Err(e) = swarm.add_node(config).await {
                 swarm.shutdown().await;
@@ -75,8 +75,8 @@ impl LocalSwarm {
 
     /// The configuration of the next node: blocks `blocks` of `model`, listening on loopback, joined through this
     /// swarm's bootstrap, named `node<N>`.
-    pub fn node_config(&self, model: &Path, blocks: BlockRange) -> NodeConfig {
-        let mut config = NodeConfig::new(model.to_path_buf(), blocks);
+    pub fn node_config(&self, model: impl Into<ModelRef>, blocks: BlockRange) -> NodeConfig {
+        let mut config = NodeConfig::new(model, blocks);
         config.listen = vec![loopback()];
         config.bootstrap = self.bootstrap_addrs.clone();
         config.public_name = format!("node{}", self.nodes.len() + 1);

@@ -60,6 +60,18 @@ pub enum ModelError {
     Sampling(String),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// A hub repository, revision or file that cannot be used as asked (not found, no access, ambiguous GGUF).
+    #[error("Hugging Face hub: {0}")]
+    Hub(String),
+    /// A hub file that is not cached and cannot be downloaded: offline (`HF_HUB_OFFLINE`) or no network.
+    #[error("{file} of {repo} is not in the Hugging Face cache {cache} and cannot be downloaded: {reason}")]
+    HubOffline {
+        /// `org/name@revision`.
+        repo: String,
+        file: String,
+        cache: PathBuf,
+        reason: String,
+    },
 }
 
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;

@@ -10,6 +10,7 @@
 //! With the `synthetic` feature, [`synthetic`] writes random-weight models of a chosen shape (benchmarks, tests).
 pub mod compute;
 pub mod error;
+pub mod hub;
 pub mod models_dir;
 #[cfg(feature = "synthetic")]
 pub mod synthetic;
@@ -25,5 +26,6 @@ pub use compute::source::{ModelFormat, ModelSource};
 pub use compute::span::{BatchStep, BlockSpan, SpanCache};
 pub use compute::spec::ModelSpec;
 pub use error::{ModelError, Result};
+pub use hub::{HubConfig, ModelRef};
 pub use text::decoding::{FinishReason, Generation, GenerationConfig, GenerationOutput};
 pub use text::tokenizer::Tokenizer;

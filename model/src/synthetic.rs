@@ -132,9 +132,27 @@ pub struct SyntheticShape {
     pub sliding_window: Option<usize>,
 }
 
-/// Named shapes: a tiny one for smoke tests, SmolLM2-135M's and llama-160m's, and a Llama-3.2-1B-like one
+/// The smallest shape with everything a family can vary: GQA, six blocks (so every family's window pattern has
+/// windowed and global layers), norms and a vocabulary big enough for greedy ties to be rare. The family tests use
+/// it (model/tests/oracle_families.rs, tests/tests/families.rs).
+pub const MINI: SyntheticShape = SyntheticShape {
+    name: "mini",
+    hidden_size: 64,
+    num_blocks: 6,
+    num_heads: 4,
+    num_kv_heads: 2,
+    intermediate_size: 128,
+    vocab_size: 256,
+    tie_embeddings: true,
+    max_position: 512,
+    family: SyntheticFamily::Llama,
+    sliding_window: None,
+};
+
+/// Named shapes: [`MINI`] and a tiny one for smoke tests, SmolLM2-135M's and llama-160m's, and a Llama-3.2-1B-like one
 /// (its vocabulary cut to 32000 to keep the client's head small).
 pub const SHAPES: &[SyntheticShape] = &[
+    MINI,
     SyntheticShape {
         name: "tiny",
         hidden_size: 256,

@@ -11,25 +11,13 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use candle_transformers::models::{gemma2, gemma3, mistral, mixtral, phi3, qwen2, qwen3};
 use common::*;
-use petal_model::synthetic::{write_model, SyntheticFamily, SyntheticShape, WeightDType};
+use petal_model::synthetic::{write_model, SyntheticFamily, SyntheticShape, WeightDType, MINI};
 use petal_model::ModelSource;
 use std::path::Path;
 
 /// Small enough to run 64 full recomputations per family in a second, with GQA, six blocks (two of them global
 /// in Gemma 3's pattern of three) and a context (prompt + 64 steps) well inside `max_position`.
-const SHAPE: SyntheticShape = SyntheticShape {
-    name: "oracle",
-    hidden_size: 64,
-    num_blocks: 6,
-    num_heads: 4,
-    num_kv_heads: 2,
-    intermediate_size: 128,
-    vocab_size: 256,
-    tie_embeddings: true,
-    max_position: 512,
-    family: SyntheticFamily::Llama,
-    sliding_window: None,
-};
+const SHAPE: SyntheticShape = MINI;
 const SEED: u64 = 16;
 const PROMPT: [u32; 8] = [1, 17, 42, 99, 5, 200, 3, 77];
 
@@ -52,17 +40,7 @@ fn check(
     );
     let mut ours = Composed::new(&source, &[(0, 2), (2, 4), (4, 6)]);
     let dev = Device::Cpu;
-    let config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap())
-            .unwrap();
-    let vb = unsafe {
-        candle_nn::VarBuilder::from_mmaped_safetensors(
-            &[dir.path().join("model.safetensors")],
-            DType::F32,
-            &dev,
-        )
-    }
-    .unwrap();
+    let (config, vb) = hf_files(dir.path());
     let mut forward = reference(dir.path(), &config, &vb);
     let mut all: Vec<u32> = vec![];
     let oracle = |ids: &[u32], _pos: usize| {
@@ -79,6 +57,32 @@ fn check(
 /// A reference model fed token by token: `(token, position)` to logits.
 type Incremental = Box<dyn FnMut(&Tensor, usize) -> Tensor>;
 
+/// A candle model as a reference that recomputes the whole sequence: its cache cleared, then all tokens at 0.
+macro_rules! recomputing {
+    ($model:expr) => {{
+        let mut m = $model;
+        Box::new(move |x: &Tensor| {
+            m.clear_kv_cache();
+            m.forward(x, 0).unwrap()
+        })
+    }};
+}
+
+/// The HF model in `dir` as candle's references read it: its config and its weights, in f32 on the CPU.
+fn hf_files(dir: &Path) -> (serde_json::Value, candle_nn::VarBuilder<'static>) {
+    let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    // SAFETY: the test's own temporary file, not modified while mapped.
+    let vb = unsafe {
+        candle_nn::VarBuilder::from_mmaped_safetensors(
+            &[dir.join("model.safetensors")],
+            DType::F32,
+            &Device::Cpu,
+        )
+    }
+    .unwrap();
+    (serde_json::from_str(&text).unwrap(), vb)
+}
+
 fn config<T: serde::de::DeserializeOwned>(json: &serde_json::Value) -> T {
     serde_json::from_value(json.clone()).unwrap()
 }
@@ -86,22 +90,14 @@ fn config<T: serde::de::DeserializeOwned>(json: &serde_json::Value) -> T {
 #[test]
 fn qwen2_biases_match_candle_qwen2() {
     check(SHAPE.with_family(SyntheticFamily::Qwen2), |_, json, vb| {
-        let mut m = qwen2::ModelForCausalLM::new(&config(json), vb.clone()).unwrap();
-        Box::new(move |x| {
-            m.clear_kv_cache();
-            m.forward(x, 0).unwrap()
-        })
+        recomputing!(qwen2::ModelForCausalLM::new(&config(json), vb.clone()).unwrap())
     });
 }
 
 #[test]
 fn qwen3_qk_norms_match_candle_qwen3() {
     check(SHAPE.with_family(SyntheticFamily::Qwen3), |_, json, vb| {
-        let mut m = qwen3::ModelForCausalLM::new(&config(json), vb.clone()).unwrap();
-        Box::new(move |x| {
-            m.clear_kv_cache();
-            m.forward(x, 0).unwrap()
-        })
+        recomputing!(qwen3::ModelForCausalLM::new(&config(json), vb.clone()).unwrap())
     });
 }
 
@@ -115,11 +111,7 @@ fn mistral_sliding_window_matches_candle_mistral() {
     check(shape, |_, json, vb| {
         let mut cfg: mistral::Config = config(json);
         cfg.sliding_window = Some(4);
-        let mut m = mistral::Model::new(&cfg, vb.clone()).unwrap();
-        Box::new(move |x| {
-            m.clear_kv_cache();
-            m.forward(x, 0).unwrap()
-        })
+        recomputing!(mistral::Model::new(&cfg, vb.clone()).unwrap())
     });
 }
 
@@ -142,11 +134,7 @@ fn mixtral_experts_match_candle_mixtral() {
 #[test]
 fn phi3_fused_projections_match_candle_phi3() {
     check(SHAPE.with_family(SyntheticFamily::Phi3), |_, json, vb| {
-        let mut m = phi3::Model::new(&config(json), vb.clone()).unwrap();
-        Box::new(move |x| {
-            m.clear_kv_cache();
-            m.forward(x, 0).unwrap()
-        })
+        recomputing!(phi3::Model::new(&config(json), vb.clone()).unwrap())
     });
 }
 
@@ -156,11 +144,7 @@ fn phi3_fused_projections_match_candle_phi3() {
 #[test]
 fn gemma2_matches_candle_gemma2() {
     check(SHAPE.with_family(SyntheticFamily::Gemma2), |_, json, vb| {
-        let mut m = gemma2::Model::new(false, &config(json), vb.clone()).unwrap();
-        Box::new(move |x| {
-            m.clear_kv_cache();
-            m.forward(x, 0).unwrap()
-        })
+        recomputing!(gemma2::Model::new(false, &config(json), vb.clone()).unwrap())
     });
 }
 
@@ -382,11 +366,7 @@ fn qwen2_gguf_matches_candle_quantized_qwen2() {
     use candle_transformers::models::quantized_qwen2 as q;
     check_gguf(SyntheticFamily::Qwen2, |path| {
         let (content, mut file) = gguf_content(path);
-        let mut m = q::ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
-        Box::new(move |x| {
-            m.clear_kv_cache();
-            m.forward(x, 0).unwrap()
-        })
+        recomputing!(q::ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap())
     });
 }
 
@@ -395,11 +375,7 @@ fn qwen3_gguf_matches_candle_quantized_qwen3() {
     use candle_transformers::models::quantized_qwen3 as q;
     check_gguf(SyntheticFamily::Qwen3, |path| {
         let (content, mut file) = gguf_content(path);
-        let mut m = q::ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
-        Box::new(move |x| {
-            m.clear_kv_cache();
-            m.forward(x, 0).unwrap()
-        })
+        recomputing!(q::ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap())
     });
 }
 
@@ -435,17 +411,7 @@ fn check_gemma_gguf(family: SyntheticFamily) {
     );
     let mut ours = Composed::new(&source, &[(0, 2), (2, 4), (4, 6)]);
     let dev = Device::Cpu;
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap())
-            .unwrap();
-    let vb = unsafe {
-        candle_nn::VarBuilder::from_mmaped_safetensors(
-            &[dir.path().join("model.safetensors")],
-            DType::F32,
-            &dev,
-        )
-    }
-    .unwrap();
+    let (json, vb) = hf_files(dir.path());
     // One token at a time: candle's Gemma 3 cannot cache a multi-token step.
     let mut forward: Incremental = match family {
         SyntheticFamily::Gemma2 => {

@@ -33,7 +33,7 @@ impl SpanLoader {
     /// Opens the devices and the model (headers only). An absent device or a missing model fails here.
     pub fn open(config: &crate::NodeConfig) -> Result<Self> {
         let devices = devices::open_devices(&config.devices)?;
-        let source = ModelSource::open(&config.model)?;
+        let source = petal_model::hub::open(&config.model, &config.hub)?;
         let dtype = source.block_dtype(config.dtype);
         Ok(Self {
             source,

@@ -11,7 +11,7 @@ use crate::{handler, metrics, NodeError, Result};
 use candle_core::DType;
 use petal_model::compute::placement::DeviceSpec;
 use petal_model::compute::wire::wire_dtype;
-use petal_model::BlockRange;
+use petal_model::{BlockRange, HubConfig, ModelRef};
 use petal_p2p::swarm_key::PreSharedKey;
 use petal_p2p::{
     Announcer, AnnouncerHandle, Keypair, Multiaddr, NetConfig, Network, PeerId, Reachability,
@@ -19,7 +19,6 @@ use petal_p2p::{
 };
 use petal_proto::pb;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
@@ -49,7 +48,10 @@ impl std::fmt::Display for SpanChoice {
 /// Everything `petal-node serve` is told.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
-    pub model: PathBuf,
+    /// A local path, or a hub repository whose shards are downloaded as the node loads the blocks in them.
+    pub model: ModelRef,
+    /// How hub models are reached and cached (`HF_ENDPOINT`, `HF_HOME`, `HF_TOKEN`, `HF_HUB_OFFLINE`).
+    pub hub: HubConfig,
     pub blocks: SpanChoice,
     /// How an automatic span rebalances (`--balance-period`, `--balance-quality`); `None`: it stays where it
     /// started. Fixed spans never move.
@@ -99,14 +101,15 @@ pub struct NodeConfig {
 
 impl NodeConfig {
     /// A node serving `blocks`.
-    pub fn new(model: PathBuf, blocks: BlockRange) -> Self {
+    pub fn new(model: impl Into<ModelRef>, blocks: BlockRange) -> Self {
         Self::with_span(model, SpanChoice::Fixed(blocks))
     }
 
     /// A node serving blocks as `blocks` says, balancing with the default settings when automatic.
-    pub fn with_span(model: PathBuf, blocks: SpanChoice) -> Self {
+    pub fn with_span(model: impl Into<ModelRef>, blocks: SpanChoice) -> Self {
         Self {
-            model,
+            model: model.into(),
+            hub: HubConfig::from_env(),
             blocks,
             balance: Some(BalanceConfig::default()),
             move_drain: Duration::from_secs(10),

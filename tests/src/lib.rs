@@ -7,6 +7,8 @@
 //! Every process a test starts is owned by a [`Proc`], which SIGKILLs it on drop, so a failing (panicking)
 //! test leaks nothing; every wait has a deadline, so no test can hang.
 
+pub mod hub_server;
+
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -396,6 +398,8 @@ pub struct NodeSpec {
     pub blocks: String,
     pub name: String,
     pub args: Vec<String>,
+    /// Extra environment variables of the node process (e.g. HF_ENDPOINT, HF_HOME).
+    pub envs: Vec<(String, String)>,
 }
 
 /// Builds a [`Swarm`]: a bootstrap peer and N nodes, all on loopback.
@@ -426,13 +430,28 @@ impl SwarmBuilder {
     }
 
     /// A node with extra `petal-node serve` arguments (e.g. `["--dtype", "f16"]`).
-    pub fn node_with(mut self, model: impl AsRef<Path>, blocks: &str, args: &[&str]) -> Self {
+    pub fn node_with(self, model: impl AsRef<Path>, blocks: &str, args: &[&str]) -> Self {
+        self.node_env(model, blocks, args, &[])
+    }
+
+    /// A node with extra arguments and environment variables.
+    pub fn node_env(
+        mut self,
+        model: impl AsRef<Path>,
+        blocks: &str,
+        args: &[&str],
+        envs: &[(&str, &str)],
+    ) -> Self {
         let name = format!("node{}", self.nodes.len() + 1);
         self.nodes.push(NodeSpec {
             model: model.as_ref().to_path_buf(),
             blocks: blocks.to_string(),
             name,
             args: args.iter().map(|s| s.to_string()).collect(),
+            envs: envs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
         });
         self
     }
@@ -538,6 +557,7 @@ impl Swarm {
             cmd.arg("--swarm-key").arg(key);
         }
         cmd.args(&spec.args);
+        cmd.envs(spec.envs.iter().map(|(k, v)| (k, v)));
         let proc = Proc::spawn(&spec.name, cmd);
         self.nodes.push(Node {
             spec,
@@ -588,6 +608,7 @@ impl Swarm {
             blocks: blocks.to_string(),
             name: format!("node{}", self.nodes.len() + 1),
             args: args.iter().map(|s| s.to_string()).collect(),
+            envs: vec![],
         };
         self.spawn_node(spec);
         let i = self.nodes.len() - 1;
@@ -698,6 +719,7 @@ impl Drop for Swarm {
 #[derive(Clone, Debug)]
 pub struct Generate {
     args: Vec<String>,
+    envs: Vec<(String, String)>,
     timeout: Duration,
 }
 
@@ -730,8 +752,15 @@ impl Generate {
                 "--prompt".into(),
                 prompt.into(),
             ],
+            envs: vec![],
             timeout: GENERATE_TIMEOUT,
         }
+    }
+
+    /// An environment variable of the `petal` process.
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.envs.push((key.to_string(), value.to_string()));
+        self
     }
 
     /// Every block in the `petal` process itself.
@@ -775,6 +804,7 @@ impl Generate {
     pub fn spawn(&self, name: &str, envs: &[(&str, &str)]) -> Proc {
         let mut cmd = Command::new(bin("petal"));
         cmd.args(&self.args);
+        cmd.envs(self.envs.iter().map(|(k, v)| (k, v)));
         for (k, v) in envs {
             cmd.env(k, v);
         }
@@ -810,6 +840,7 @@ impl Generate {
     pub fn run(&self) -> CmdOutput {
         let mut cmd = Command::new(bin("petal"));
         cmd.args(&self.args);
+        cmd.envs(self.envs.iter().map(|(k, v)| (k, v)));
         run_with_timeout(cmd, self.timeout)
     }
 

@@ -3,25 +3,13 @@
 //! through them must equal the whole model run in this process (itself checked against candle-transformers'
 //! models in model/tests/oracle_families.rs).
 use petal_client::{ChainConfig, Generator, SwarmClient, VerifyPolicy};
-use petal_model::synthetic::{write_model, SyntheticFamily, SyntheticShape, WeightDType};
+use petal_model::synthetic::{write_model, SyntheticFamily, SyntheticShape, WeightDType, MINI};
 use petal_model::text::decoding::GenerationConfig;
 use petal_model::{BlockRange, ModelSource, Placement};
 use petal_tests::*;
 use std::time::Duration;
 
-const SHAPE: SyntheticShape = SyntheticShape {
-    name: "families",
-    hidden_size: 64,
-    num_blocks: 6,
-    num_heads: 4,
-    num_kv_heads: 2,
-    intermediate_size: 128,
-    vocab_size: 256,
-    tie_embeddings: true,
-    max_position: 512,
-    family: SyntheticFamily::Llama,
-    sliding_window: None,
-};
+const SHAPE: SyntheticShape = MINI;
 const SEED: u64 = 16;
 const NEW_TOKENS: usize = 32;
 const TIMEOUT: Duration = Duration::from_secs(60);

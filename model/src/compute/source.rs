@@ -8,9 +8,10 @@ use crate::compute::placement::Placement;
 use crate::compute::span::BlockSpan;
 use crate::compute::spec::{ModelSpec, RopeStyle};
 use crate::compute::weights::{
-    GgufWeights, HfLayout, Llama2cWeights, LoadLog, SafetensorsWeights, WeightSource,
+    GgufWeights, HfLayout, Llama2cWeights, LoadLog, SafetensorsWeights, ShardFetch, WeightSource,
 };
 use crate::error::{ModelError, Result};
+use crate::hub::HubIdentity;
 use crate::text::tokenizer::Tokenizer;
 use candle_core::quantized::gguf_file::Value;
 use candle_core::{DType, Device};
@@ -38,6 +39,8 @@ pub struct ModelSource {
     manifest: OnceLock<Arc<Vec<String>>>,
     /// Where block hashes are cached across runs ([`HashCache`]); `None`: not cached.
     hash_cache_dir: Option<PathBuf>,
+    /// Set for a model opened from the Hugging Face hub: the revision it is pinned to ([`crate::hub`]).
+    hub: Option<HubIdentity>,
 }
 
 impl std::fmt::Debug for ModelSource {
@@ -53,7 +56,12 @@ impl std::fmt::Debug for ModelSource {
 impl ModelSource {
     /// Opens `path`, reading headers and config only; no weights are read until a span or head is loaded.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref();
+        Self::open_fetching(path.as_ref(), None)
+    }
+
+    /// [`ModelSource::open`]; with `fetch`, the shards a safetensors index names are fetched when first read
+    /// instead of having to be on disk (hub models: [`crate::hub::open`]).
+    pub fn open_fetching(path: &Path, fetch: Option<ShardFetch>) -> Result<Self> {
         if !path.exists() {
             return Err(ModelError::NotFound(path.to_path_buf()));
         }
@@ -73,7 +81,7 @@ impl ModelSource {
                 let layout = HfLayout::for_architecture(&spec.architecture);
                 (
                     spec,
-                    Box::new(SafetensorsWeights::open(path)?.with_layout(layout)),
+                    Box::new(SafetensorsWeights::open_fetching(path, fetch)?.with_layout(layout)),
                 )
             }
             ModelFormat::Gguf => {
@@ -94,7 +102,32 @@ impl ModelSource {
             model_id: OnceLock::new(),
             manifest: OnceLock::new(),
             hash_cache_dir: HashCache::default_dir(),
+            hub: None,
         })
+    }
+
+    /// This model as opened from the hub at `identity`'s revision: named after the repository, identified by the
+    /// revision ([`ModelSource::model_id`]).
+    pub(crate) fn pinned_to(mut self, identity: HubIdentity) -> Self {
+        let mut spec = (*self.spec).clone();
+        spec.name = identity.repo.clone();
+        self.spec = Arc::new(spec);
+        self.hub = Some(identity);
+        self
+    }
+
+    /// The hub revision this model was opened from; `None` for a local path.
+    pub fn hub(&self) -> Option<&HubIdentity> {
+        self.hub.as_ref()
+    }
+
+    /// Whether every weight file is on disk, so that every block can be hashed without a download: always for a
+    /// local path; for a hub model once every shard has been fetched (a client holding only the head's shards
+    /// trusts the revision pin of the model id instead of checking servers' block hashes).
+    pub fn has_all_weights(&self) -> bool {
+        self.hub
+            .as_ref()
+            .is_none_or(|h| h.weight_files.iter().all(|f| f.is_file()))
     }
 
     pub fn path(&self) -> &Path {
@@ -127,14 +160,23 @@ impl ModelSource {
     }
 
     /// Fingerprint of the exact weights: `<name>-<32 hex>`, from the description, the tensor index and a sample of
-    /// every tensor. Servers announce spans under it; a client chains only spans of its own id.
+    /// every tensor; for a hub model, from the description, the resolved commit and the index (or the weight
+    /// file's name), so that every peer of one revision agrees without reading weights it does not load. Servers
+    /// announce spans under it; a client chains only spans of its own id.
     pub fn model_id(&self) -> Result<String> {
         if let Some(id) = self.model_id.get() {
             return Ok(id.clone());
         }
         let mut h = Sha256::new();
         h.update(serde_json::to_vec(&*self.spec).map_err(|e| ModelError::Config(e.to_string()))?);
-        self.weights.fingerprint(&mut h)?;
+        match &self.hub {
+            // A hub model may be partly downloaded: the commit pins the bytes instead of a sample of them.
+            Some(hub) => {
+                h.update(hub.commit.as_bytes());
+                h.update(hub.layout.as_bytes());
+            }
+            None => self.weights.fingerprint(&mut h)?,
+        }
         let digest = hex::encode(h.finalize());
         let name: String = self
             .spec

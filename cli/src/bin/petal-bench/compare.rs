@@ -23,7 +23,7 @@ use petal_cli::LocalSwarm;
 use petal_client::generator::compute;
 use petal_client::{Generator, Session, SwarmClient};
 use petal_model::models_dir::{default_model, missing_model, DEFAULT_MODEL};
-use petal_model::{BlockRange, ModelSource, Placement};
+use petal_model::{BlockRange, ModelRef, ModelSource, Placement};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -46,9 +46,9 @@ const PARTS: [&str; 6] = ["prefill", "decode", "depth", "sessions", "swarm", "rs
 #[derive(ClapArgs, Debug)]
 pub struct CompareArgs {
     /// Model, normally the GGUF llama.cpp is given (default: SmolLM2-135M-Instruct Q4_1 from $PETAL_MODELS or
-    /// ../shared/models).
+    /// ../shared/models), or a hub repository org/name[:QUANT][@revision], downloaded whole first.
     #[arg(long)]
-    model: Option<PathBuf>,
+    model: Option<ModelRef>,
     /// Timed runs per measurement; medians are reported.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
@@ -116,7 +116,7 @@ struct Model {
 impl Model {
     fn open(args: &CompareArgs) -> Result<Self> {
         let path = match &args.model {
-            Some(m) => m.clone(),
+            Some(m) => petal_cli::hub::local_path(m)?,
             None => default_model().with_context(|| missing_model(DEFAULT_MODEL))?,
         };
         let source =

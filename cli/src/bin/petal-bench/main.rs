@@ -48,9 +48,10 @@ struct Args {
     #[command(subcommand)]
     command: Option<Command>,
     /// Model: a Hugging Face directory, a .gguf file or a llama2.c .bin (default: SmolLM2-135M-Instruct Q4_1
-    /// from $PETAL_MODELS or ../shared/models).
+    /// from $PETAL_MODELS or ../shared/models), or a hub repository org/name[:QUANT][@revision], downloaded whole
+    /// first (the bench compares the same files in every setting).
     #[arg(long, conflicts_with = "synthetic")]
-    model: Option<PathBuf>,
+    model: Option<petal_model::ModelRef>,
     /// Prompt for models with a tokenizer; rendered through the chat template when the model has one.
     #[arg(long, default_value = "What is the capital of France?")]
     prompt: String,

@@ -90,7 +90,7 @@ impl Drop for TempDir {
 pub fn resolve(args: &Args) -> Result<(PathBuf, Value, Option<TempDir>)> {
     let Some(name) = &args.synthetic else {
         let path = match &args.model {
-            Some(m) => m.clone(),
+            Some(m) => petal_cli::hub::local_path(m)?,
             None => default_model().with_context(|| missing_model(DEFAULT_MODEL))?,
         };
         return Ok((path, Value::Null, None));

@@ -3,7 +3,7 @@ use clap::{Args, Parser, Subcommand};
 use petal_cli::app::{self, shutdown_signal, CommonArgs};
 use petal_cli::seconds::{positive_seconds, seconds};
 use petal_model::compute::placement::{parse_dtype, DeviceSpec};
-use petal_model::BlockRange;
+use petal_model::{BlockRange, ModelRef};
 use petal_node::{devices, BalanceConfig, Node, NodeConfig, SpanChoice};
 use petal_p2p::{swarm_key::PreSharedKey, Keypair, Multiaddr, NetConfig, RelayLimits};
 use std::io::Write;
@@ -105,9 +105,14 @@ impl NetArgs {
 
 #[derive(Args)]
 struct ServeArgs {
-    /// Model: a Hugging Face directory, a .gguf file or a llama2.c .bin. Only the served blocks are read.
+    /// Model: a Hugging Face directory, a .gguf file, a llama2.c .bin, or a Hugging Face hub repository
+    /// org/name[:QUANT][@revision] (an existing local path wins). Only the served blocks are read; from the hub,
+    /// only config, tokenizer, index and the shards holding the served blocks are downloaded.
     #[arg(long)]
-    model: PathBuf,
+    model: ModelRef,
+    /// The .gguf file to use from a hub repository holding several (or give org/name:QUANT).
+    #[arg(long, value_name = "NAME")]
+    gguf_file: Option<String>,
     /// Blocks to serve, START..END (end exclusive), e.g. 10..20, for as long as the node runs. Without it the
     /// node chooses its blocks where the swarm's throughput is lowest, and moves as the swarm changes.
     #[arg(long, conflicts_with = "num_blocks")]
@@ -230,7 +235,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             num_blocks: args.num_blocks.map(|n| n as usize),
         },
     };
-    let mut config = NodeConfig::with_span(args.model, blocks);
+    let model = petal_cli::hub::model_ref(&args.model, args.gguf_file.as_deref())?;
+    let mut config = NodeConfig::with_span(model, blocks);
+    config.hub = petal_cli::hub::config(None);
     config.balance = (!args.balance_period.is_zero()).then_some(BalanceConfig {
         period: args.balance_period,
         quality: args.balance_quality,

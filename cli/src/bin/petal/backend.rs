@@ -6,16 +6,20 @@ use libp2p::Multiaddr;
 use petal_cli::seconds::positive_seconds;
 use petal_client::{ChainConfig, Generator, SwarmClient, VerifyPolicy};
 use petal_model::compute::placement::parse_dtype;
-use petal_model::{DeviceSpec, ModelSource, Placement, Tokenizer};
+use petal_model::{DeviceSpec, ModelRef, Placement, Tokenizer};
 use std::path::PathBuf;
 use std::time::Duration;
 
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// Model: a Hugging Face directory, a .gguf file or a llama2.c .bin. In swarm mode only its config, tokenizer,
-    /// embeddings and LM head are read.
+    /// Model: a Hugging Face directory, a .gguf file, a llama2.c .bin, or a Hugging Face hub repository
+    /// org/name[:QUANT][@revision] (an existing local path wins). In swarm mode only its config, tokenizer,
+    /// embeddings and LM head are read (and, from the hub, downloaded).
     #[arg(long)]
-    pub model: PathBuf,
+    pub model: ModelRef,
+    /// The .gguf file to use from a hub repository holding several (or give org/name:QUANT).
+    #[arg(long, value_name = "NAME")]
+    pub gguf_file: Option<String>,
     /// Tokenizer file overriding the one found with the model (tokenizer.json, llama2.c .bin or .gguf).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -59,8 +63,9 @@ impl ModelArgs {
     pub async fn load(&self) -> anyhow::Result<Loaded> {
         let device = DeviceSpec::parse(&self.device)?.open()?;
         let placement = Placement::new(device, parse_dtype(&self.dtype)?);
-        let source = ModelSource::open(&self.model)
-            .with_context(|| format!("opening the model {}", self.model.display()))?;
+        let model = petal_cli::hub::model_ref(&self.model, self.gguf_file.as_deref())?;
+        let source = petal_model::hub::open(&model, &petal_cli::hub::config(None))
+            .with_context(|| format!("opening the model {model}"))?;
         let tokenizer = source.tokenizer(self.tokenizer.as_deref())?;
         if self.local {
             return Ok(Loaded {

@@ -34,7 +34,7 @@ pub async fn run(args: ChatArgs) -> anyhow::Result<()> {
     let mut conversation =
         Conversation::new(&loaded.generator, &loaded.tokenizer, args.system.clone())?
             .with_window(args.context);
-    eprintln!("chatting with {}; {HELP}", args.model.model.display());
+    eprintln!("chatting with {}; {HELP}", args.model.model);
     let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
     let mut failed_turns = 0usize;
     loop {

@@ -7,16 +7,16 @@ use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use petal_cli::LocalSwarm;
 use petal_client::{ChainConfig, Generator};
 use petal_model::text::prompt::encode_prompt;
-use petal_model::{models_dir, BlockRange, GenerationConfig, ModelSource, Placement};
+use petal_model::{models_dir, BlockRange, GenerationConfig, ModelRef, ModelSource, Placement};
 use std::io::Write;
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 #[derive(Args, Debug)]
 pub struct DemoArgs {
-    /// Model to split (default: SmolLM2-135M-Instruct from ../shared/models or $PETAL_MODELS).
+    /// Model to split (default: SmolLM2-135M-Instruct from ../shared/models or $PETAL_MODELS): a path or a hub
+    /// repository org/name[:QUANT][@revision]; each node downloads only the shards of its blocks.
     #[arg(long)]
-    pub model: Option<PathBuf>,
+    pub model: Option<ModelRef>,
     #[arg(long, default_value = "What is the capital of France?")]
     pub prompt: String,
     /// Nodes to split the model across.
@@ -32,11 +32,13 @@ pub struct DemoArgs {
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let model = match args.model {
         Some(m) => m,
-        None => models_dir::default_model()
-            .with_context(|| models_dir::missing_model(models_dir::DEFAULT_MODEL))?,
+        None => ModelRef::Local(
+            models_dir::default_model()
+                .with_context(|| models_dir::missing_model(models_dir::DEFAULT_MODEL))?,
+        ),
     };
     let config = args.sampling.config()?;
-    let source = ModelSource::open(&model)?;
+    let source = petal_model::hub::open(&model, &petal_cli::hub::config(None))?;
     let spans = BlockRange::split_even(source.spec().num_blocks, args.nodes);
 
     let mut swarm = LocalSwarm::bootstrap().await?;
@@ -65,7 +67,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
 /// Starts the nodes, then answers the prompt through them.
 async fn answer(
     swarm: &mut LocalSwarm,
-    model: &Path,
+    model: &ModelRef,
     source: &ModelSource,
     spans: &[BlockRange],
     prompt: &str,
@@ -86,6 +88,7 @@ async fn answer(
         started.set_message(format!("starting node{}", i + 1));
         let mut cfg = swarm.node_config(model, *range);
         cfg.progress = Some(bars.clone());
+        cfg.hub = petal_cli::hub::config(Some(&bars));
         let node = match swarm.add_node(cfg).await {
             Ok(node) => node,
             Err(e) => {

@@ -6,10 +6,12 @@
 mod gguf;
 mod llama2c;
 mod safetensors;
+mod shards;
 
 pub use gguf::GgufWeights;
 pub use llama2c::Llama2cWeights;
 pub use safetensors::SafetensorsWeights;
+pub use shards::{index_shards, ShardFetch};
 
 use crate::compute::linear::Linear;
 use crate::compute::placement::Placement;

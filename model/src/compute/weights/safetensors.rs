@@ -1,16 +1,15 @@
 //! Hugging Face safetensors, one file or sharded (`model.safetensors.index.json`), memory-mapped: a tensor's pages
 //! are touched only when it is loaded.
+use super::shards::{ShardFetch, Shards};
 use super::{BlockTensor, HeadTensor, HfLayout, LoadLog, Weight, WeightSource};
 use crate::error::{ModelError, Result};
-use candle_core::safetensors::MmapedSafetensors;
 use candle_core::Device;
 use sha2::{Digest, Sha256};
-use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 pub struct SafetensorsWeights {
     files: Vec<PathBuf>,
-    st: MmapedSafetensors,
+    st: Shards,
     log: LoadLog,
     layout: HfLayout,
 }
@@ -18,33 +17,26 @@ pub struct SafetensorsWeights {
 impl SafetensorsWeights {
     /// Opens `dir/model.safetensors`, or every shard named by `dir/model.safetensors.index.json`, or one file.
     pub fn open(path: &Path) -> Result<Self> {
-        let files = if path.is_file() {
-            vec![path.to_path_buf()]
+        Self::open_fetching(path, None)
+    }
+
+    /// [`SafetensorsWeights::open`]; with `fetch`, the shards of an index need not be on disk yet: each is
+    /// fetched and opened when a tensor in it is first read (a hub model's node and client).
+    pub fn open_fetching(path: &Path, fetch: Option<ShardFetch>) -> Result<Self> {
+        let index = path.join("model.safetensors.index.json");
+        let st = if path.is_file() {
+            Shards::single(path)?
+        } else if index.exists() {
+            Shards::indexed(path, &index, fetch)?
         } else {
-            let index = path.join("model.safetensors.index.json");
-            if index.exists() {
-                shard_files(path, &index)?
-            } else {
-                let single = path.join("model.safetensors");
-                if !single.exists() {
-                    return Err(ModelError::NotFound(single));
-                }
-                vec![single]
+            let single = path.join("model.safetensors");
+            if !single.exists() {
+                return Err(ModelError::NotFound(single));
             }
+            Shards::single(&single)?
         };
-        for f in &files {
-            if !f.exists() {
-                return Err(ModelError::NotFound(f.clone()));
-            }
-        }
-        // SAFETY: the files are opened read-only; as with every mmap, truncating them while we run is undefined.
-        let st = unsafe { MmapedSafetensors::multi(&files) }.map_err(|e| ModelError::Corrupt {
-            format: "safetensors",
-            path: files.first().cloned().unwrap_or_default(),
-            reason: e.to_string(),
-        })?;
         Ok(Self {
-            files,
+            files: st.files(),
             st,
             log: LoadLog::default(),
             layout: HfLayout::Llama,
@@ -58,35 +50,15 @@ impl SafetensorsWeights {
     }
 
     fn load(&self, name: &str, device: &Device) -> Result<Weight> {
-        let view = self
-            .st
-            .get(name)
-            .map_err(|_| ModelError::MissingTensor { name: name.into() })?;
-        let bytes = view.data().len();
+        let bytes = self.st.get(name)?.data().len();
         let t = self.st.load(name, device)?;
         self.log.record(name, bytes);
         Ok(Weight::Dense(t))
     }
 
     fn has(&self, name: &str) -> bool {
-        self.st.get(name).is_ok()
+        self.st.contains(name)
     }
-}
-
-fn shard_files(dir: &Path, index: &Path) -> Result<Vec<PathBuf>> {
-    let text = std::fs::read_to_string(index).map_err(|e| ModelError::io(index, e))?;
-    let corrupt = |reason: String| ModelError::Corrupt {
-        format: "safetensors index",
-        path: index.to_path_buf(),
-        reason,
-    };
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| corrupt(e.to_string()))?;
-    let map = v
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .ok_or_else(|| corrupt("no weight_map object".into()))?;
-    let names: BTreeSet<&str> = map.values().filter_map(|f| f.as_str()).collect();
-    Ok(names.into_iter().map(|f| dir.join(f)).collect())
 }
 
 pub(crate) fn hf_block_name(layout: HfLayout, block: usize, t: BlockTensor) -> String {
@@ -163,12 +135,9 @@ impl WeightSource for SafetensorsWeights {
     }
 
     fn hash_block(&self, block: usize, hasher: &mut Sha256) -> Result<()> {
-        let mut tensors: Vec<_> = self
+        let mut tensors = self
             .st
-            .tensors()
-            .into_iter()
-            .filter(|(name, _)| self.block_of(name) == Some(block))
-            .collect();
+            .tensors_where(|name| self.block_of(name) == Some(block))?;
         tensors.sort_by(|a, b| a.0.cmp(&b.0));
         for (name, view) in tensors {
             hasher.update(name.as_bytes());
@@ -179,7 +148,7 @@ impl WeightSource for SafetensorsWeights {
     }
 
     fn fingerprint(&self, hasher: &mut Sha256) -> Result<()> {
-        let mut tensors = self.st.tensors();
+        let mut tensors = self.st.tensors()?;
         tensors.sort_by(|a, b| a.0.cmp(&b.0));
         for (name, view) in tensors {
             hasher.update(name.as_bytes());

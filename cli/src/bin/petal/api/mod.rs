@@ -106,7 +106,10 @@ pub async fn run(args: ApiArgs) -> anyhow::Result<()> {
     let name = args
         .model_name
         .clone()
-        .unwrap_or_else(|| default_name(&args.model.model));
+        .unwrap_or_else(|| match &args.model.model {
+            petal_model::ModelRef::Local(path) => default_name(path),
+            petal_model::ModelRef::Hub(hub) => hub.repo.clone(),
+        });
     let model_id = loaded.generator.model_id().to_string();
     let client = loaded.client.clone();
     // Preparing requests may take every core but one, which stays with the async runtime (admission.rs).
