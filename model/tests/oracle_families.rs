@@ -139,7 +139,8 @@ fn phi3_fused_projections_match_candle_phi3() {
 }
 
 /// candle's Gemma 2 windows every layer where HF windows the even ones, so its window is kept longer than the
-/// context here (model/src/compute/block tests cover windowed attention itself); soft-capping, GeGLU, the four
+/// context here (the Mistral test and `windowed_long_prefill_equals_stepwise` cover windowed attention, and the
+/// Gemma 2 swarm test in tests/tests/families.rs runs with a window); soft-capping, GeGLU, the four
 /// norms per block and scaled embeddings are all compared.
 #[test]
 fn gemma2_matches_candle_gemma2() {

@@ -47,12 +47,7 @@ impl Head {
             None => embed_w.matmul(p)?,
         };
         let o = &spec.options;
-        let norm_w = if o.norm_plus_one {
-            let f = norm_w.dense(&Placement::new(p.device.clone(), DType::F32))?;
-            normalise(&(f + 1.0)?, p)?
-        } else {
-            norm_w.dense(p)?
-        };
+        let norm_w = norm_w.norm(p, o.norm_plus_one)?;
         Ok(Self {
             embed: Embedding::new(embed_w.dense(p)?, spec.hidden_size),
             norm: RmsNorm::new(norm_w, spec.rms_eps),

@@ -18,7 +18,7 @@ use crate::compute::placement::{normalise, Placement};
 use crate::compute::spec::ModelSpec;
 use crate::compute::weights::{BlockTensor, Weight, WeightSource};
 use crate::error::{ModelError, Result};
-use candle_core::{DType, Module, Tensor};
+use candle_core::{Module, Tensor};
 use candle_nn::RmsNorm;
 
 /// The block's feed-forward: one gated MLP, or a mixture of them.
@@ -81,16 +81,11 @@ impl Block {
             }
             Ok(w)
         };
-        // Gemma's HF norms store `w - 1`: the 1 is added once here, in f32, as its reference computes it.
         let norm = |t: BlockTensor, dim: usize| -> Result<RmsNorm> {
-            let w = get(t, &[dim])?;
-            let w = if o.norm_plus_one {
-                let f = w.dense(&Placement::new(p.device.clone(), DType::F32))?;
-                normalise(&(f + 1.0)?, p)?
-            } else {
-                w.dense(p)?
-            };
-            Ok(RmsNorm::new(w, spec.rms_eps))
+            Ok(RmsNorm::new(
+                get(t, &[dim])?.norm(p, o.norm_plus_one)?,
+                spec.rms_eps,
+            ))
         };
         let matmul = |t: BlockTensor, out: usize, inp: usize| -> Result<Linear> {
             get(t, &[out, inp])?.matmul(p)

@@ -110,6 +110,16 @@ impl Weight {
         }
     }
 
+    /// A norm's weight at the placement. `plus_one`: the file stores `w - 1` (Gemma's HF checkpoints), so the 1 is
+    /// added here once, in f32 as the reference computes it, before the cast to the placement's dtype.
+    pub fn norm(&self, p: &Placement, plus_one: bool) -> Result<Tensor> {
+        if !plus_one {
+            return self.dense(p);
+        }
+        let f = self.dense(&Placement::new(p.device.clone(), DType::F32))?;
+        crate::compute::placement::normalise(&(f + 1.0)?, p)
+    }
+
     /// A matmul weight. Quantized weights stay quantized when the block computes in f32 (quantized kernels take
     /// f32 activations); for f16/bf16 blocks they are dequantized to the block's dtype.
     pub fn matmul(&self, p: &Placement) -> Result<Linear> {
