@@ -215,7 +215,7 @@ def main():
     m = report["machine"]
     print(f"Petal vs llama.cpp: {args.model}, {m['threads']} threads, {m['cpu']} ({m['cpus']} cpus), "
           f"load {args.load_start} -> {args.load_end}, llama.cpp {report['llama_cpp']['build_commit']} "
-          f"({report['llama_cpp']['flags']})")
+          f"({report['llama_cpp']['flags']}); KV cache: petal {petal.get('kv_dtype', '?')}, llama.cpp f16 (its default)")
     print("ratio = petal / reference (throughput rows: higher is better; ms and MiB rows: lower is better); "
           "every figure is a median over repetitions;\nspread = largest/smallest repetition of either side "
           f"(above {NOISY}x: NOISY, load from other work moved it; rerun on a quiet machine)")

@@ -12,7 +12,7 @@ use crate::chain::{ChainConfig, Failover, HopTiming, RouteHop};
 use crate::error::{ClientError, Result};
 use crate::swarm::SwarmClient;
 use crate::verification::VerifyTally;
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use petal_model::text::decoding::{
     Generation, GenerationConfig, GenerationOutput, GenerationTimer, Step,
 };
@@ -105,7 +105,16 @@ impl Generator {
     /// The whole model in this process: head and every block on `placement` (blocks in the dtype the source's
     /// policy picks for it).
     pub fn local(source: &ModelSource, placement: Placement) -> Result<Self> {
-        let blocks = LocalSpans::load(source, &placement)?;
+        Self::local_with_kv(source, placement, None)
+    }
+
+    /// [`Generator::local`] with sessions' keys and values stored in `kv_dtype` (`None`: the blocks' dtype).
+    pub fn local_with_kv(
+        source: &ModelSource,
+        placement: Placement,
+        kv_dtype: Option<DType>,
+    ) -> Result<Self> {
+        let blocks = LocalSpans::load(source, &placement, kv_dtype)?;
         let mut generator = Self::new(
             source.load_head(placement)?,
             blocks,

@@ -26,6 +26,7 @@ pub struct SpanLoader {
     devices: Vec<Device>,
     split: Option<Vec<usize>>,
     dtype: DType,
+    kv_dtype: Option<DType>,
     progress: Option<indicatif::MultiProgress>,
 }
 
@@ -40,6 +41,7 @@ impl SpanLoader {
             devices,
             split: config.split.clone(),
             dtype,
+            kv_dtype: config.kv_dtype,
             progress: config.progress.clone(),
         })
     }
@@ -51,6 +53,11 @@ impl SpanLoader {
     /// The dtype the blocks compute in.
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// The dtype sessions' keys and values are stored in.
+    pub fn kv_dtype(&self) -> DType {
+        self.kv_dtype.unwrap_or(self.dtype)
     }
 
     /// Checks `range` against the model and loads it, with a progress bar.
@@ -75,7 +82,9 @@ impl SpanLoader {
             .source
             .load_span_with_progress(range, &placements, |_| bar.inc(1));
         bar.finish_and_clear();
-        let span = Arc::new(span?);
+        let mut span = span?;
+        span.set_kv_dtype(self.kv_dtype);
+        let span = Arc::new(span);
         let block_hashes = self.source.block_hashes(range)?;
         let devices = span_devices(&span);
         Ok(LoadedSpan {
@@ -91,8 +100,9 @@ impl SpanLoader {
     pub fn blocks_that_fit(&self, cache_tokens: usize) -> Result<usize> {
         let spec = self.source.spec();
         let weights = self.block_weight_bytes();
-        let cache =
-            (cache_tokens * spec.kv_bytes_per_token_per_block(self.dtype.size_in_bytes())) as f64;
+        let cache = (cache_tokens
+            * spec.kv_bytes_per_token_per_block(self.kv_dtype().size_in_bytes()))
+            as f64;
         let per_block = weights + cache;
         let mut free = 0.0;
         for d in &self.devices {

@@ -65,6 +65,10 @@ pub struct NodeConfig {
     /// GGUF model keeps its quantized weights and computes in f32 unless f16 or bf16 is asked, which dequantizes
     /// the weights into that dtype.
     pub dtype: Option<DType>,
+    /// The dtype sessions' keys and values are stored in (`--kv-dtype`); `None`: the compute dtype. f16 halves
+    /// the cache's memory and what a decode step reads from it, as llama.cpp's default cache does; f32 keeps the
+    /// reference's arithmetic bit for bit.
+    pub kv_dtype: Option<DType>,
     pub keypair: Keypair,
     pub listen: Vec<Multiaddr>,
     pub bootstrap: Vec<Multiaddr>,
@@ -116,6 +120,7 @@ impl NodeConfig {
             devices: vec![DeviceSpec::Cpu],
             split: None,
             dtype: None,
+            kv_dtype: None,
             keypair: Keypair::generate_ed25519(),
             listen: vec![],
             bootstrap: vec![],

@@ -27,7 +27,7 @@ const NOISE: f32 = 0.5;
 /// Serves every block of stories260K on each stream, computed honestly, with noise added to every answer.
 fn serve_noisy(net: &Network) -> tokio::task::JoinHandle<()> {
     let source = ModelSource::open(stories_bin()).expect("model");
-    let spans = LocalSpans::load(&source, &Placement::cpu_f32()).expect("blocks");
+    let spans = LocalSpans::load(&source, &Placement::cpu_f32(), None).expect("blocks");
     let mut incoming = net.accept_streams().expect("accept");
     tokio::spawn(async move {
         while let Some((_, stream)) = incoming.next().await {

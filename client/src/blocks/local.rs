@@ -3,7 +3,7 @@
 //! steps batched on its thread, as a node's sessions do.
 use super::{BlockSession, BlocksOutput, ModelBlocks};
 use crate::error::{ClientError, Result};
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use petal_model::{
@@ -21,10 +21,16 @@ pub struct LocalSpans {
 
 impl LocalSpans {
     /// Every block of `source` on `placement`'s device, in the dtype [`ModelSource::block_dtype`] picks for
-    /// `placement`'s dtype.
-    pub fn load(source: &ModelSource, placement: &Placement) -> Result<Self> {
+    /// `placement`'s dtype, sessions' keys and values stored in `kv_dtype` (`None`: that dtype).
+    pub fn load(
+        source: &ModelSource,
+        placement: &Placement,
+        kv_dtype: Option<DType>,
+    ) -> Result<Self> {
         let placement = source.block_placement(&placement.device, Some(placement.dtype));
-        let span = source.load_span_on(BlockRange::new(0, source.spec().num_blocks), &placement)?;
+        let mut span =
+            source.load_span_on(BlockRange::new(0, source.spec().num_blocks), &placement)?;
+        span.set_kv_dtype(kv_dtype);
         Self::new(vec![span])
     }
 

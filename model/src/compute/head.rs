@@ -2,6 +2,7 @@
 //! block, so a client needs only these tensors.
 use crate::compute::linear::Linear;
 use crate::compute::placement::{normalise, Placement};
+use crate::compute::pool::on_compute_pool;
 use crate::compute::spec::ModelSpec;
 use crate::compute::weights::{HeadTensor, WeightSource};
 use crate::error::{ModelError, Result};
@@ -84,6 +85,10 @@ impl Head {
     /// f32 logits `[batch, vocab]` of the last position of `hidden` (`[batch, tokens, hidden]`), from wherever the
     /// last block left it.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        on_compute_pool(&self.placement.device, || self.logits_here(hidden))
+    }
+
+    fn logits_here(&self, hidden: &Tensor) -> Result<Tensor> {
         let _span = tracing::trace_span!("head").entered();
         let hidden = normalise(hidden, &self.placement)?;
         let (_, tokens, _) = hidden.dims3()?;

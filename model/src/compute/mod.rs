@@ -1,7 +1,7 @@
 //! The numeric side of a model: what it is ([`spec`]), where its tensors come from ([`source`], [`weights`]), the
 //! blocks a node serves ([`block`], [`span`]) and the thread that batches their sessions' steps ([`scheduler`]), the
-//! client's local parts ([`head`]), where tensors live ([`placement`]) and how hidden states cross the wire
-//! ([`wire`]).
+//! client's local parts ([`head`]), where tensors live ([`placement`]), the threads CPU compute runs on ([`pool`])
+//! and how hidden states cross the wire ([`wire`]).
 pub mod block;
 pub mod block_range;
 pub mod family;
@@ -9,6 +9,7 @@ pub mod hash_cache;
 pub mod head;
 pub mod linear;
 pub mod placement;
+pub mod pool;
 pub mod scheduler;
 pub mod source;
 pub mod span;

@@ -2,10 +2,11 @@
 use crate::compute::block::{Block, BlockStep, KvCache, Rope, RopeParams};
 use crate::compute::block_range::BlockRange;
 use crate::compute::placement::Placement;
+use crate::compute::pool::on_compute_pool;
 use crate::compute::spec::ModelSpec;
 use crate::compute::weights::WeightSource;
 use crate::error::{ModelError, Result};
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use std::sync::Arc;
 
 /// Blocks `range` of a model, each on its own placement.
@@ -13,6 +14,8 @@ pub struct BlockSpan {
     spec: Arc<ModelSpec>,
     range: BlockRange,
     blocks: Vec<Block>,
+    /// The dtype sessions' keys and values are stored in; `None`: each block's compute dtype.
+    kv_dtype: Option<DType>,
 }
 
 impl BlockSpan {
@@ -66,7 +69,20 @@ impl BlockSpan {
             spec,
             range,
             blocks,
+            kv_dtype: None,
         })
+    }
+
+    /// Stores sessions' keys and values in `dtype` (e.g. f16: half the bytes to hold and to read per step, as
+    /// llama.cpp's default cache) instead of the compute dtype; `None` restores the default. Caches opened before
+    /// keep theirs.
+    pub fn set_kv_dtype(&mut self, dtype: Option<DType>) {
+        self.kv_dtype = dtype;
+    }
+
+    /// The dtype new caches store keys and values in (the first block's compute dtype by default).
+    pub fn kv_dtype(&self) -> DType {
+        self.kv_dtype.unwrap_or(self.input_placement().dtype)
     }
 
     pub fn range(&self) -> BlockRange {
@@ -107,7 +123,7 @@ impl BlockSpan {
             )));
         }
         let caches = (sub.start..sub.end)
-            .map(|i| self.blocks[i - self.range.start].new_cache(max_length))
+            .map(|i| self.blocks[i - self.range.start].new_cache(max_length, self.kv_dtype))
             .collect();
         Ok(SpanCache {
             range: sub,
@@ -137,6 +153,11 @@ impl BlockSpan {
     /// attention per session against its own cache. Each step is checked on its own, so a bad step fails alone and
     /// leaves its session as it was; the others run. A session's result does not depend on the others in the batch.
     pub fn forward_batch(&self, steps: &mut [BatchStep<'_>]) -> Vec<Result<Tensor>> {
+        on_compute_pool(&self.input_placement().device, || self.forward_here(steps))
+    }
+
+    /// [`Self::forward_batch`] on the calling thread.
+    fn forward_here(&self, steps: &mut [BatchStep<'_>]) -> Vec<Result<Tensor>> {
         let mut results: Vec<Result<Tensor>> = steps
             .iter()
             .map(|s| {

@@ -79,6 +79,14 @@ pub struct CompareArgs {
     /// Measurements to leave out: prefill, decode, depth, sessions, swarm, rss.
     #[arg(long, value_delimiter = ',')]
     skip: Vec<String>,
+    /// KV cache dtype of every Petal run (local, nodes): f32, f16 or bf16 (default: the compute dtype, f32).
+    /// llama.cpp's default cache is f16.
+    #[arg(long, value_parser = parse_kv_dtype)]
+    kv_dtype: Option<DType>,
+}
+
+fn parse_kv_dtype(s: &str) -> std::result::Result<DType, String> {
+    petal_model::compute::placement::parse_dtype(s).map_err(|e| e.to_string())
 }
 
 impl CompareArgs {
@@ -111,6 +119,8 @@ struct Model {
     source: ModelSource,
     head: Placement,
     span: Placement,
+    /// `--kv-dtype`.
+    kv_dtype: Option<DType>,
 }
 
 impl Model {
@@ -126,6 +136,7 @@ impl Model {
             path,
             head: Placement::new(Device::Cpu, DType::F32),
             span,
+            kv_dtype: args.kv_dtype,
             source,
         })
     }
@@ -165,7 +176,7 @@ pub async fn run(args: &CompareArgs) -> Result<Value> {
     tracing::info!(model = %model.path.display(), threads = candle_core::utils::get_num_threads(), "compare");
 
     if args.runs("prefill") || args.runs("decode") || args.runs("depth") {
-        let local = Generator::local(&model.source, model.head.clone())?;
+        let local = Generator::local_with_kv(&model.source, model.head.clone(), args.kv_dtype)?;
         warm_up(&local, model.vocab()).await?;
         if args.runs("prefill") {
             report["prefill"] = measure_prefills(&local, &model, args).await?;
@@ -199,6 +210,7 @@ fn describe(model: &Model, args: &CompareArgs) -> Result<Value> {
         "quantization": model.source.quantization(),
         "gguf_bytes": weights_bytes(&model.path),
         "compute_dtype": model.span.dtype.as_str(),
+        "kv_dtype": model.kv_dtype.unwrap_or(model.span.dtype).as_str(),
         "threads": candle_core::utils::get_num_threads(),
         "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         "repeats": args.repeats,
@@ -366,8 +378,12 @@ async fn with_swarm<T>(
     spans: &[BlockRange],
     body: impl AsyncFnOnce(&SwarmClient) -> Result<T>,
 ) -> Result<T> {
-    let dtype = model.span.dtype;
-    let swarm = LocalSwarm::start(&model.path, spans, |cfg| cfg.dtype = Some(dtype)).await?;
+    let (dtype, kv_dtype) = (model.span.dtype, model.kv_dtype);
+    let swarm = LocalSwarm::start(&model.path, spans, |cfg| {
+        cfg.dtype = Some(dtype);
+        cfg.kv_dtype = kv_dtype;
+    })
+    .await?;
     let result = match swarm.client().await {
         Ok(client) => {
             let r = body(&client).await;
@@ -384,7 +400,7 @@ async fn with_swarm<T>(
 /// load drift on a shared machine hits both alike.
 async fn measure_swarm(model: &Model, args: &CompareArgs) -> Result<Value> {
     let spans = BlockRange::split_even(model.blocks(), args.chain);
-    let local = Generator::local(&model.source, model.head.clone())?;
+    let local = Generator::local_with_kv(&model.source, model.head.clone(), args.kv_dtype)?;
     let prompt = prompt_ids(DECODE_PROMPT, model.vocab());
     let steps = args.decode_tokens;
     let (local_runs, chain_runs) = with_swarm(model, &spans, async |client| {
@@ -582,6 +598,12 @@ async fn measure_node_rss(model: &Model, args: &CompareArgs) -> Result<Value> {
         .arg(blocks.to_string())
         .arg("--model")
         .arg(&model.path)
+        .args(
+            model
+                .kv_dtype
+                .iter()
+                .flat_map(|d| ["--kv-dtype".to_string(), d.as_str().to_string()]),
+        )
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .kill_on_drop(true)

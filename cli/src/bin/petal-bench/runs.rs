@@ -114,7 +114,7 @@ pub struct Local {
 impl Local {
     pub fn load(bench: &Bench) -> Result<Self> {
         let source = &bench.source;
-        let spans = LocalSpans::load(source, &bench.span_placement)?;
+        let spans = LocalSpans::load(source, &bench.span_placement, None)?;
         let generator = Generator::new(
             source.load_head(bench.head_placement.clone())?,
             spans.clone(),

@@ -141,6 +141,10 @@ struct ServeArgs {
     /// Compute dtype: f32, f16 or bf16 (default f32; GGUF weights stay quantized only in f32).
     #[arg(long)]
     dtype: Option<String>,
+    /// KV cache dtype: f32, f16 or bf16 (default: the compute dtype). f16 halves the cache's memory and what each
+    /// decode step reads from it (llama.cpp's default cache type); f32 is the reference's arithmetic bit for bit.
+    #[arg(long)]
+    kv_dtype: Option<String>,
     /// Bootstrap peer(s), with /p2p/<peer id>.
     #[arg(long)]
     bootstrap: Vec<Multiaddr>,
@@ -249,6 +253,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     config.split = args.split;
     config.dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
+    config.kv_dtype = args.kv_dtype.as_deref().map(parse_dtype).transpose()?;
     config.keypair = args.net.keypair()?;
     config.listen = args.net.listen.clone();
     config.announce = args.net.announce.clone();

@@ -39,6 +39,10 @@ pub struct ModelArgs {
     /// dequantize them).
     #[arg(long, default_value = "f32")]
     pub dtype: String,
+    /// With --local: the KV cache dtype, f32, f16 or bf16 (default: the blocks' dtype). f16 halves the cache's
+    /// memory and what each decode step reads from it; f32 keeps the reference's arithmetic bit for bit.
+    #[arg(long, requires = "local")]
+    pub kv_dtype: Option<String>,
     /// Seconds to wait for the swarm to show servers covering the model.
     #[arg(long, default_value = "20", value_parser = positive_seconds)]
     pub discovery_timeout: Duration,
@@ -69,7 +73,11 @@ impl ModelArgs {
         let tokenizer = source.tokenizer(self.tokenizer.as_deref())?;
         if self.local {
             return Ok(Loaded {
-                generator: Generator::local(&source, placement)?,
+                generator: Generator::local_with_kv(
+                    &source,
+                    placement,
+                    self.kv_dtype.as_deref().map(parse_dtype).transpose()?,
+                )?,
                 tokenizer,
                 client: None,
             });

@@ -3,6 +3,7 @@
 //! The query heads are grouped per KV head, so keys and values are read in place from the cache and never
 //! repeated, and queries are taken in chunks, so a step's scores never exceed `chunk x context` per head: memory
 //! is linear in the context however long the prompt.
+use super::decode_attention::{self, DecodeAttention};
 use super::kv_cache::KvCache;
 use super::rope::Rope;
 use crate::compute::linear::{Linear, Stacked};
@@ -95,12 +96,57 @@ impl Attention {
         self.o.forward(y)
     }
 
-    /// Candle ops on any device and dtype: `[batch, kv_heads, group * tokens, head_dim]` queries against each KV
-    /// head's keys, scores and softmax in f32 (long contexts overflow half precision).
+    /// `[batch, heads, tokens, head_dim]` queries against the cache, grouped per KV head: a step of a few rows on
+    /// an f16 CPU cache through [`DecodeAttention`] (the cache read in place), anything else through candle's ops.
+    /// Returns `[batch, tokens, heads * head_dim]` in the queries' dtype.
     fn attend_grouped(&self, q: &Tensor, position: usize, cache: &KvCache) -> Result<Tensor> {
         let (b, h, t, d) = q.dims4()?;
         let group = h / self.num_kv_heads;
         let (k, v) = cache.keys_values().ok_or_else(empty_cache)?;
+        // f32 caches stay on candle's ops, whose arithmetic is the reference's bit for bit (a quantized model
+        // requantizes every activation, so any other rounding moves its logits visibly); f16 caches have no
+        // reference and are read in place, half the bytes of f32.
+        let in_place = q.device().is_cpu()
+            && cache.placement().dtype == DType::F16
+            && group * t <= decode_attention::MAX_ROWS;
+        let y = if in_place {
+            let op = DecodeAttention {
+                scale: self.scale as f32,
+                softcap: self.softcap.map(|c| c as f32),
+                window: self.window,
+                position,
+                group,
+            };
+            let q = q.to_dtype(DType::F32)?.contiguous()?.reshape((
+                b,
+                self.num_kv_heads,
+                group,
+                t,
+                d,
+            ))?;
+            q.apply_op3_no_bwd(&k, &v, &op)?.reshape((b, h, t, d))?
+        } else {
+            self.attend_chunked(q, position, (k, v))?
+        };
+        // One token per sequence: `[b, h, 1, d]` is already laid out as `[b, 1, h * d]`.
+        let y = if t == 1 {
+            y.reshape((b, t, h * d))?
+        } else {
+            y.transpose(1, 2)?.reshape((b, t, h * d))?
+        };
+        Ok(y.to_dtype(q.dtype())?)
+    }
+
+    /// Candle ops on any device and dtype, for prompts and caches the in-place kernel does not take: queries in
+    /// chunks of [`QUERY_CHUNK`] rows against each KV head's keys, scores and softmax in f32. `[b, h, t, d]`.
+    fn attend_chunked(
+        &self,
+        q: &Tensor,
+        position: usize,
+        (k, v): (Tensor, Tensor),
+    ) -> Result<Tensor> {
+        let (b, h, t, d) = q.dims4()?;
+        let group = h / self.num_kv_heads;
         // Views into the cache's buffers (f32 caches are not copied): matmuls take their strides as they are.
         let k = k.to_dtype(DType::F32)?;
         let v = v.to_dtype(DType::F32)?;
@@ -161,18 +207,11 @@ impl Attention {
                     .reshape((b, self.num_kv_heads, group, n, d))?,
             );
         }
-        let y = match chunks.len() {
+        Ok(match chunks.len() {
             1 => chunks.remove(0),
             _ => Tensor::cat(&chunks, 3)?,
         }
-        .reshape((b, h, t, d))?;
-        // One token per sequence: `[b, h, 1, d]` is already laid out as `[b, 1, h * d]`.
-        let y = if t == 1 {
-            y.reshape((b, t, h * d))?
-        } else {
-            y.transpose(1, 2)?.reshape((b, t, h * d))?
-        };
-        Ok(y.to_dtype(cache.placement().dtype)?)
+        .reshape((b, h, t, d))?)
     }
 }
 

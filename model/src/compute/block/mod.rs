@@ -1,6 +1,7 @@
 //! One decoder block: pre-norm attention and a pre-norm gated feed-forward (or mixture of experts), each with a
 //! residual; the family options ([`crate::compute::family::FamilyOptions`]) add biases, norms, windows and caps.
 mod attention;
+mod decode_attention;
 mod kv_cache;
 mod mlp;
 mod moe;
@@ -18,7 +19,7 @@ use crate::compute::placement::{normalise, Placement};
 use crate::compute::spec::ModelSpec;
 use crate::compute::weights::{BlockTensor, Weight, WeightSource};
 use crate::error::{ModelError, Result};
-use candle_core::{Module, Tensor};
+use candle_core::{DType, Module, Tensor};
 use candle_nn::RmsNorm;
 
 /// The block's feed-forward: one gated MLP, or a mixture of them.
@@ -183,9 +184,14 @@ impl Block {
         &self.placement
     }
 
-    /// A fresh, empty KV cache on this block's device and dtype, for at most `max_length` positions.
-    pub fn new_cache(&self, max_length: usize) -> KvCache {
-        KvCache::new(self.placement.clone(), max_length)
+    /// A fresh, empty KV cache on this block's device, in `kv_dtype` (default: the block's compute dtype), for at
+    /// most `max_length` positions.
+    pub fn new_cache(&self, max_length: usize, kv_dtype: Option<DType>) -> KvCache {
+        let dtype = kv_dtype.unwrap_or(self.placement.dtype);
+        KvCache::new(
+            Placement::new(self.placement.device.clone(), dtype),
+            max_length,
+        )
     }
 
     /// `x`: `[batch, tokens, hidden]` for positions `position..position + tokens`. The input is normalised to this

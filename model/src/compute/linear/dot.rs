@@ -99,6 +99,13 @@ fn dot_scalar_from(mut sum: f32, w: Q4_1Row<'_>, y: Q8Row<'_>) -> f32 {
     sum
 }
 
+/// Eight float lanes summed in the order of an AVX2 horizontal sum (`_mm256` halves, then pairs, then the two
+/// left), for scalar code that reproduces a vector kernel's result.
+pub(crate) fn hsum_lanes(a: [f32; 8]) -> f32 {
+    let r: [f32; 4] = std::array::from_fn(|i| a[i + 4] + a[i]);
+    (r[0] + r[2]) + (r[1] + r[3])
+}
+
 /// The x86 kernels, one module per instruction set; they differ only in how the byte products are summed.
 #[cfg(target_arch = "x86_64")]
 macro_rules! x86_kernel {

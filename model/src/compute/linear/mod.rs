@@ -1,22 +1,25 @@
 //! Matmul weights (`y = x W^T`): candle's `QMatMul`, or our own CPU kernels for the formats where candle's are
-//! slow (Q4_1: candle's dot product is its generic scalar loop).
+//! slow (Q4_1: candle's dot product is its generic scalar loop) or run on a second thread pool (Q8_0).
 pub mod dot;
 pub mod q4_1;
+pub mod q8_0;
 pub mod q8_1;
 mod stacked;
 
 pub use q4_1::Q4_1Matrix;
+pub use q8_0::Q8_0Matrix;
 pub use stacked::Stacked;
 
 use crate::error::Result;
 use candle_core::quantized::{QMatMul, QTensor};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{CpuStorage, DType, Device, Layout, Module, Shape, Tensor};
 use std::sync::Arc;
 
 #[derive(Debug, Clone)]
 pub enum Linear {
     Candle(QMatMul),
     Q4_1(Arc<Q4_1Matrix>),
+    Q8_0(Arc<Q8_0Matrix>),
 }
 
 impl Linear {
@@ -25,6 +28,9 @@ impl Linear {
         if device.is_cpu() {
             if let Some(m) = Q4_1Matrix::from_qtensor(&q)? {
                 return Ok(Self::Q4_1(Arc::new(m)));
+            }
+            if let Some(m) = Q8_0Matrix::from_qtensor(&q)? {
+                return Ok(Self::Q8_0(Arc::new(m)));
             }
         }
         Ok(Self::Candle(QMatMul::from_arc(q)?))
@@ -38,14 +44,60 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(match self {
             Self::Candle(m) => m.forward(x)?,
-            Self::Q4_1(m) => {
-                let x = if x.dtype() == DType::F32 {
-                    x.contiguous()?
-                } else {
-                    x.to_dtype(DType::F32)?
-                };
-                x.apply_op1_no_bwd(m.as_ref())?
-            }
+            Self::Q4_1(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
+            Self::Q8_0(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
         })
     }
+}
+
+/// Our kernels take contiguous f32 activations.
+fn f32_input(x: &Tensor) -> Result<Tensor> {
+    Ok(if x.dtype() == DType::F32 {
+        x.contiguous()?
+    } else {
+        x.to_dtype(DType::F32)?
+    })
+}
+
+/// The CPU side of our matmul ops: checks that `x` (`[..., cols]`, contiguous f32) fits a `[rows, cols]` weight,
+/// runs `matmul(x, m)` over its `m` rows, and gives the result `x`'s leading dims.
+pub(crate) fn cpu_matmul(
+    name: &str,
+    (rows, cols): (usize, usize),
+    storage: &CpuStorage,
+    layout: &Layout,
+    matmul: impl FnOnce(&[f32], usize) -> Vec<f32>,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let dims = layout.dims();
+    let k = dims.last().copied().unwrap_or(0);
+    if k != cols {
+        candle_core::bail!("{name}: input {dims:?} against a [{rows}, {cols}] weight");
+    }
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!("{name}: input must be contiguous");
+    };
+    let x = &storage.as_slice::<f32>()?[start..end];
+    let mut out_dims = dims.to_vec();
+    if let Some(last) = out_dims.last_mut() {
+        *last = rows;
+    }
+    Ok((
+        CpuStorage::F32(matmul(x, x.len() / k)),
+        Shape::from(out_dims),
+    ))
+}
+
+/// Reproducible uniform values in [-0.5, 0.5) for the kernels' tests.
+#[cfg(test)]
+pub(crate) fn test_matrix(rows: usize, cols: usize, seed: u64) -> Tensor {
+    let mut s = seed;
+    let v: Vec<f32> = (0..rows * cols)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect();
+    Tensor::from_vec(v, (rows, cols), &Device::Cpu).expect("a tensor of the right size")
 }

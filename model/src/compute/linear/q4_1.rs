@@ -177,25 +177,10 @@ impl CustomOp1 for Q4_1Matrix {
         storage: &CpuStorage,
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let dims = layout.dims();
-        let k = dims.last().copied().unwrap_or(0);
-        if k != self.cols {
-            candle_core::bail!(
-                "q4_1 matmul: input {dims:?} against a [{}, {}] weight",
-                self.rows,
-                self.cols
-            );
-        }
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            candle_core::bail!("q4_1 matmul: input must be contiguous");
-        };
-        let x = &storage.as_slice::<f32>()?[start..end];
-        let m = x.len() / k;
-        let mut out_dims = dims.to_vec();
-        if let Some(last) = out_dims.last_mut() {
-            *last = self.rows;
-        }
-        Ok((CpuStorage::F32(self.matmul(x, m)), Shape::from(out_dims)))
+        let dims = (self.rows, self.cols);
+        super::cpu_matmul("q4_1 matmul", dims, storage, layout, |x, m| {
+            self.matmul(x, m)
+        })
     }
 }
 
@@ -205,18 +190,7 @@ mod tests {
     use candle_core::quantized::{QMatMul, QTensor};
     use candle_core::{Device, Module, Tensor};
 
-    fn random(rows: usize, cols: usize, seed: u64) -> Tensor {
-        let mut s = seed;
-        let v: Vec<f32> = (0..rows * cols)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-            })
-            .collect();
-        Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap()
-    }
+    use super::super::test_matrix as random;
 
     fn q4_1(rows: usize, cols: usize) -> (QTensor, Q4_1Matrix) {
         let q = QTensor::quantize(&random(rows, cols, 7), GgmlDType::Q4_1).unwrap();

@@ -20,7 +20,7 @@ impl Stacked {
             .iter()
             .filter_map(|p| match p {
                 Linear::Q4_1(m) => Some(m.as_ref()),
-                Linear::Candle(_) => None,
+                Linear::Candle(_) | Linear::Q8_0(_) => None,
             })
             .collect();
         if q4_1.len() == parts.len() && parts.len() > 1 {
