@@ -80,11 +80,6 @@ impl BlockSpan {
         self.kv_dtype = dtype;
     }
 
-    /// The dtype new caches store keys and values in (the first block's compute dtype by default).
-    pub fn kv_dtype(&self) -> DType {
-        self.kv_dtype.unwrap_or(self.input_placement().dtype)
-    }
-
     pub fn range(&self) -> BlockRange {
         self.range
     }

@@ -176,7 +176,7 @@ pub async fn run(args: &CompareArgs) -> Result<Value> {
     tracing::info!(model = %model.path.display(), threads = candle_core::utils::get_num_threads(), "compare");
 
     if args.runs("prefill") || args.runs("decode") || args.runs("depth") {
-        let local = Generator::local_with_kv(&model.source, model.head.clone(), args.kv_dtype)?;
+        let local = Generator::local_with_kv(&model.source, model.head.clone(), model.kv_dtype)?;
         warm_up(&local, model.vocab()).await?;
         if args.runs("prefill") {
             report["prefill"] = measure_prefills(&local, &model, args).await?;
@@ -400,7 +400,7 @@ async fn with_swarm<T>(
 /// load drift on a shared machine hits both alike.
 async fn measure_swarm(model: &Model, args: &CompareArgs) -> Result<Value> {
     let spans = BlockRange::split_even(model.blocks(), args.chain);
-    let local = Generator::local_with_kv(&model.source, model.head.clone(), args.kv_dtype)?;
+    let local = Generator::local_with_kv(&model.source, model.head.clone(), model.kv_dtype)?;
     let prompt = prompt_ids(DECODE_PROMPT, model.vocab());
     let steps = args.decode_tokens;
     let (local_runs, chain_runs) = with_swarm(model, &spans, async |client| {

@@ -41,7 +41,7 @@ struct Partial {
     acc: Vec<f32>,
 }
 
-/// The cache's elements: f32, or f16 widened row by row as they are read.
+/// The cache's elements: f32, or f16 widened a chunk of positions at a time as they are read.
 #[derive(Clone, Copy)]
 enum Elems<'a> {
     F32(&'a [f32]),

@@ -115,7 +115,6 @@ impl Q8_0Matrix {
     pub fn matmul_with(&self, kernel: Kernel, x: &[f32], m: usize) -> Vec<f32> {
         let n = self.rows;
         let xq = Self::quantize(x, m, self.cols);
-        let mut out = vec![0f32; m * n];
         // Tasks own whole weight rows; the output is transposed into place afterwards when there are several
         // activation rows (one row, every decode step, needs no transpose).
         let mut by_weight = vec![0f32; n * m];
@@ -134,6 +133,7 @@ impl Q8_0Matrix {
         if m == 1 {
             return by_weight;
         }
+        let mut out = vec![0f32; m * n];
         for (j, col) in by_weight.chunks_exact(m).enumerate() {
             for (i, v) in col.iter().enumerate() {
                 out[i * n + j] = *v;
