@@ -43,6 +43,22 @@ def ms(e):
     return (statistics.median(e["samples_ns"]) if e.get("samples_ns") else e["avg_ns"]) / 1e6
 
 
+def llama_batched(work):
+    """llama-batched-bench's decode throughput (S_TG, tokens/s over all sequences) per number of parallel
+    sequences, one figure per repetition; None when it did not run."""
+    path = os.path.join(work, "llama-batched.jsonl")
+    if not os.path.exists(path):
+        return None
+    out = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line.startswith("{"):
+                e = json.loads(line)
+                out.setdefault(e["pl"], []).append(e["speed_tg"])
+    return out
+
+
 def cpu_model():
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
@@ -145,6 +161,21 @@ def rows(work, petal):
     out.append(row(f"{n} sessions, per-token latency", "ms", s["concurrent"]["ms_per_token_median"],
                    s["lone"]["ms_per_token_median"], "petal, 1 session alone", "lower", "<=", 3,
                    "median step time of every session's steps"))
+    batched = llama_batched(work)
+    if batched and n in batched and 1 in batched:
+        one, many = batched[1], batched[n]
+        gain = statistics.median(many) / statistics.median(one)
+        petal_gain = s["aggregate_tokens_per_second"] / s["lone_tokens_per_second"]
+        out.append(row(f"{n} sessions, aggregate vs llama.cpp batched", "tokens/s",
+                       s["aggregate_tokens_per_second"], statistics.median(many),
+                       f"llama-batched-bench, {n} sequences", "higher", None, None,
+                       f"llama-batched-bench -npp 8 -ntg 32 -npl 1,{n}: S_TG of {n} sequences",
+                       f"batching gain (aggregate / one sequence): petal {petal_gain:.2f}x, llama.cpp {gain:.2f}x "
+                       f"({statistics.median(one):.1f} -> {statistics.median(many):.1f} tokens/s)",
+                       runs=(s["runs_aggregate_tokens_per_second"], many)))
+    else:
+        out.append(missing(f"{n} sessions, aggregate vs llama.cpp batched", "tokens/s",
+                           f"no llama-batched-bench result for 1 and {n} sequences", None))
 
     sw = petal["swarm"]
     out.append(row(f"{sw['nodes']} nodes vs local (petal)", "tokens/s", sw["chain_tokens_per_second"],
@@ -208,6 +239,7 @@ def main():
         "petal": petal,
         "llama_bench": {name: maybe(os.path.join(args.work, f"llama-{name}.json"))
                         for name in ("main", "depth", "rss", "rpc", "rpc-local")},
+        "llama_batched_bench": llama_batched(args.work),
     }
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

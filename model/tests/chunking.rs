@@ -4,17 +4,23 @@
 //! exactly as the hop got them (see client/src/chain/verify.rs) rather than batched.
 mod common;
 
-use candle_core::{Tensor, D};
+use candle_core::{DType, Tensor, D};
 use common::*;
 use petal_model::{BlockRange, ModelSource, Placement};
 
 /// The span's output for `ids`, sent in steps of `chunks` tokens.
 fn run(source: &ModelSource, ids: &[u32], chunks: &[usize]) -> Tensor {
+    run_kv(source, ids, chunks, None)
+}
+
+/// [`run`] with keys and values stored in `kv` (`None`: f32, the blocks' dtype).
+fn run_kv(source: &ModelSource, ids: &[u32], chunks: &[usize], kv: Option<DType>) -> Tensor {
     let p = Placement::cpu_f32();
     let head = source.load_head(p.clone()).unwrap();
-    let span = source
+    let mut span = source
         .load_span_on(BlockRange::new(0, source.spec().num_blocks), &p)
         .unwrap();
+    span.set_kv_dtype(kv);
     let mut cache = span.new_cache(span.range(), 512).unwrap();
     let mut outs = vec![];
     let mut pos = 0;
@@ -46,5 +52,22 @@ fn f32_chunks_and_single_tokens_match_one_step() {
     for chunks in [vec![20, 20], vec![7, 1, 32], vec![1; 40]] {
         let d = relative(&whole, &run(&source, &ids, &chunks));
         assert!(d < 1e-5, "chunks {chunks:?}: {d:e}");
+    }
+}
+
+/// A prompt longer than a chunk of queries (256): each chunk scores only the keys its queries may see, and the
+/// f16 cache's tiles only theirs. Both match the prompt sent token by token, where every step sees all it holds:
+/// f32 to the order of sums (1.6e-6 here), f16 to its rounding (1.2e-3 here, as before the tiles: a 1e-7 change
+/// in a key can move its f16 value by a unit in the last place, 5e-4; a wrong mask would be off by far more).
+#[test]
+fn prompts_longer_than_a_query_chunk_match_token_by_token() {
+    let source = ModelSource::open(stories_bin()).unwrap();
+    let ids: Vec<u32> = (0..500).map(|i| 10 + (i * 7) % 400).collect();
+    for (kv, tolerance) in [(None, 1e-5), (Some(DType::F16), 5e-3)] {
+        let steps = run_kv(&source, &ids, &[1; 500], kv);
+        for chunks in [vec![500], vec![300, 200], vec![3, 257, 240]] {
+            let d = relative(&steps, &run_kv(&source, &ids, &chunks, kv));
+            assert!(d < tolerance, "{kv:?}, chunks {chunks:?}: {d:e}");
+        }
     }
 }

@@ -3,7 +3,7 @@
 //! The query heads are grouped per KV head, so keys and values are read in place from the cache and never
 //! repeated, and queries are taken in chunks, so a step's scores never exceed `chunk x context` per head: memory
 //! is linear in the context however long the prompt.
-use super::decode_attention::{self, DecodeAttention};
+use super::flash_attention::FlashAttention;
 use super::kv_cache::KvCache;
 use super::rope::Rope;
 use crate::compute::linear::{Linear, Stacked};
@@ -96,8 +96,8 @@ impl Attention {
         self.o.forward(y)
     }
 
-    /// `[batch, heads, tokens, head_dim]` queries against the cache, grouped per KV head: a step of a few rows on
-    /// an f16 CPU cache through [`DecodeAttention`] (the cache read in place), anything else through candle's ops.
+    /// `[batch, heads, tokens, head_dim]` queries against the cache, grouped per KV head: on an f16 CPU cache
+    /// through [`FlashAttention`] (the cache read in place), anything else through candle's ops.
     /// Returns `[batch, tokens, heads * head_dim]` in the queries' dtype.
     fn attend_grouped(&self, q: &Tensor, position: usize, cache: &KvCache) -> Result<Tensor> {
         let (b, h, t, d) = q.dims4()?;
@@ -106,11 +106,9 @@ impl Attention {
         // f32 caches stay on candle's ops, whose arithmetic is the reference's bit for bit (a quantized model
         // requantizes every activation, so any other rounding moves its logits visibly); f16 caches have no
         // reference and are read in place, half the bytes of f32.
-        let in_place = q.device().is_cpu()
-            && cache.placement().dtype == DType::F16
-            && group * t <= decode_attention::MAX_ROWS;
+        let in_place = q.device().is_cpu() && cache.placement().dtype == DType::F16;
         let y = if in_place {
-            let op = DecodeAttention {
+            let op = FlashAttention {
                 scale: self.scale as f32,
                 softcap: self.softcap.map(|c| c as f32),
                 window: self.window,
@@ -164,14 +162,16 @@ impl Attention {
                 q.narrow(3, start, n)?.contiguous()?
             };
             let qc = qc.reshape((b, self.num_kv_heads, group * n, d))?;
-            // Keys before the chunk's first query's window are never seen by any of its queries: leave them out.
+            // Keys before the chunk's first query's window, and after its last query, are never seen by any of
+            // its queries: leave them out (a prompt's chunks score about half of the `T x T` pairs, not all).
             let first_query = position + start;
+            let last_key = (first_query + n).min(context);
             let first_key = match self.window {
-                Some(w) => (first_query + 1).saturating_sub(w).min(context),
+                Some(w) => (first_query + 1).saturating_sub(w).min(last_key),
                 None => 0,
             };
-            let keys = context - first_key;
-            let (kc, vc) = if first_key == 0 {
+            let keys = last_key - first_key;
+            let (kc, vc) = if keys == context {
                 (k.clone(), v.clone())
             } else {
                 (k.narrow(2, first_key, keys)?, v.narrow(2, first_key, keys)?)

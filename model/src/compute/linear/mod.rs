@@ -87,6 +87,24 @@ pub(crate) fn cpu_matmul(
     ))
 }
 
+/// The blocks of a `[rows, cols]` matrix of ggml `format` blocks (`per_block` values in `block_bytes` bytes each)
+/// held in `data`, or why `data` is not one.
+pub(crate) fn block_count(
+    format: &str,
+    data: &[u8],
+    (rows, cols): (usize, usize),
+    (per_block, block_bytes): (usize, usize),
+) -> Result<usize> {
+    let n = rows * cols / per_block;
+    if !cols.is_multiple_of(per_block) || data.len() != n * block_bytes {
+        return Err(crate::error::ModelError::Config(format!(
+            "{} bytes of {format} data for a [{rows}, {cols}] matrix",
+            data.len()
+        )));
+    }
+    Ok(n)
+}
+
 /// Reproducible uniform values in [-0.5, 0.5) for the kernels' tests.
 #[cfg(test)]
 pub(crate) fn test_matrix(rows: usize, cols: usize, seed: u64) -> Tensor {
@@ -100,4 +118,16 @@ pub(crate) fn test_matrix(rows: usize, cols: usize, seed: u64) -> Tensor {
         })
         .collect();
     Tensor::from_vec(v, (rows, cols), &Device::Cpu).expect("a tensor of the right size")
+}
+
+/// The kernels' tests' reference: candle's product of `x` (`[rows, cols]`) by `w`, flattened, beside `x` flattened
+/// for our kernels.
+#[cfg(test)]
+pub(crate) fn candle_product(w: &QMatMul, x: &Tensor) -> (Vec<f32>, Vec<f32>) {
+    let flat = |t: &Tensor| {
+        t.flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .expect("an f32 tensor")
+    };
+    (flat(&w.forward(x).expect("candle's product")), flat(x))
 }

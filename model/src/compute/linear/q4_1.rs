@@ -49,13 +49,7 @@ impl Q4_1Matrix {
 
     /// Repacks raw ggml blocks, row by row.
     pub fn from_bytes(data: &[u8], rows: usize, cols: usize) -> Result<Self> {
-        let n = rows * cols / QK4_1;
-        if !cols.is_multiple_of(QK4_1) || data.len() != n * BLOCK_BYTES {
-            return Err(ModelError::Config(format!(
-                "{} bytes of Q4_1 data for a [{rows}, {cols}] matrix",
-                data.len()
-            )));
-        }
+        let n = super::block_count("Q4_1", data, (rows, cols), (QK4_1, BLOCK_BYTES))?;
         let mut w = Self {
             d: Vec::with_capacity(n),
             m: Vec::with_capacity(n),
@@ -188,9 +182,9 @@ impl CustomOp1 for Q4_1Matrix {
 mod tests {
     use super::*;
     use candle_core::quantized::{QMatMul, QTensor};
-    use candle_core::{Device, Module, Tensor};
+    use candle_core::{Device, Tensor};
 
-    use super::super::test_matrix as random;
+    use super::super::{candle_product, test_matrix as random};
 
     fn q4_1(rows: usize, cols: usize) -> (QTensor, Q4_1Matrix) {
         let q = QTensor::quantize(&random(rows, cols, 7), GgmlDType::Q4_1).unwrap();
@@ -224,14 +218,7 @@ mod tests {
         let candle = QMatMul::from_qtensor(q).unwrap();
         for rows in [1, 3, 4, 5, 67] {
             let x = random(rows, 416, rows as u64);
-            let want = candle
-                .forward(&x)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
-            let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let (want, xs) = candle_product(&candle, &x);
             for kernel in Kernel::available() {
                 let got = m.matmul_with(kernel, &xs, rows);
                 assert_eq!(got, want, "{kernel:?}, {rows} rows");

@@ -9,7 +9,7 @@
 //! repacked kernel instead for rows whose length is a multiple of 256, with sums in another order; SmolLM2's 576
 //! is not.)
 use super::dot::hsum_lanes;
-use crate::error::{ModelError, Result};
+use crate::error::Result;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape};
 use half::f16;
@@ -50,13 +50,7 @@ impl Q8_0Matrix {
 
     /// Raw ggml blocks, row by row.
     pub fn from_bytes(data: &[u8], rows: usize, cols: usize) -> Result<Self> {
-        let n = rows * cols / QK8_0;
-        if !cols.is_multiple_of(QK8_0) || data.len() != n * BLOCK_BYTES {
-            return Err(ModelError::Config(format!(
-                "{} bytes of Q8_0 data for a [{rows}, {cols}] matrix",
-                data.len()
-            )));
-        }
+        let n = super::block_count("Q8_0", data, (rows, cols), (QK8_0, BLOCK_BYTES))?;
         let mut w = Self {
             d: Vec::with_capacity(n),
             qs: Vec::with_capacity(n),
@@ -240,9 +234,9 @@ impl CustomOp1 for Q8_0Matrix {
 mod tests {
     use super::*;
     use candle_core::quantized::QMatMul;
-    use candle_core::{Device, Module, Tensor};
+    use candle_core::{Device, Tensor};
 
-    use super::super::test_matrix as random;
+    use super::super::{candle_product, test_matrix as random};
 
     #[test]
     fn every_kernel_equals_candle_bit_for_bit() {
@@ -253,14 +247,7 @@ mod tests {
         let candle = QMatMul::from_qtensor(q).unwrap();
         for rows in [1, 2, 5] {
             let x = random(rows, 576, rows as u64);
-            let want = candle
-                .forward(&x)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
-            let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let (want, xs) = candle_product(&candle, &x);
             for kernel in Kernel::available() {
                 let got = ours.matmul_with(kernel, &xs, rows);
                 assert_eq!(got, want, "{kernel:?}, {rows} rows");

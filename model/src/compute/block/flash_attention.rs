@@ -1,31 +1,38 @@
-//! Attention of a step's few query rows against an f16 (or f32) KV cache on the CPU, read in place
-//! (flash-decoding).
+//! Attention of a step's query rows against an f16 (or f32) KV cache on the CPU, read in place (flash attention).
 //!
 //! A decode step has one query row per head, and its cost is reading the cache: candle's path widens an f16 cache
 //! to f32 (a copy of the whole context per block and step), runs two small matmuls per KV head and a softmax, each
-//! op on its own and each waking the threads.
-//! Here every KV head's keys and values are read once for all the query rows of its group, in chunks of positions
-//! spread over the threads, with an online softmax per chunk (running maximum, sum and weighted values) merged at
-//! the end: memory stays `rows x chunk` per task, and the cache is never copied.
+//! op on its own and each waking the threads. A prompt's cost is the `T x T` scores: candle's path builds them per
+//! chunk of queries, over keys no query of the chunk may see, with a mask as large as the scores.
+//! Here the queries of a KV head's group are taken in tiles of at most [`MAX_ROWS`] rows, and each tile reads the
+//! keys and values it may see (causal, windowed) once, in chunks of positions, with an online softmax (running
+//! maximum, sum and weighted values) merged chunk by chunk: memory stays `rows x chunk` per task, nothing is
+//! masked, and the cache is never copied. A decode step (one tile) spreads its chunks over the threads
+//! (flash-decoding); a prompt (many tiles) gives each thread whole tiles.
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
+use std::ops::Range;
 
-/// Keys one task scores: big enough to amortise a task, small enough to spread a 2k context over the threads.
-const KEYS_PER_TASK: usize = 256;
+/// Keys scored at once: big enough to amortise a task, small enough to spread a 2k context over the threads
+/// and keep a tile's scores and widened keys in L2.
+const KEYS_PER_CHUNK: usize = 256;
 /// Below this many keys over all KV heads, the step is computed on the calling thread: waking the pool would
 /// cost more than the work.
 const PARALLEL_KEYS: usize = 2048;
-/// Most query rows (group x tokens) one KV head takes here; longer steps (prompts) go through candle's matmuls.
-pub(crate) const MAX_ROWS: usize = 64;
+/// Most query rows (group x tokens) of one tile: the rows that share each widened chunk of keys.
+const MAX_ROWS: usize = 64;
+/// With at least this many tiles over all KV heads, every task is a whole tile (its chunks one after another);
+/// with fewer, the chunks of each tile are tasks of their own, so a decode step still uses every thread.
+const TILES_FOR_WHOLE_TILE_TASKS: usize = 16;
 
 /// `softmax(scale * q k^T [softcapped, masked]) v` for queries `[batch, kv_heads, group, tokens, head_dim]`
 /// (contiguous) at positions `position..position + tokens`, keys and values `[batch, kv_heads, len, head_dim]`
 /// with contiguous rows (a view into the cache's buffers). Output: the queries' shape.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct DecodeAttention {
+pub(crate) struct FlashAttention {
     pub scale: f32,
     pub softcap: Option<f32>,
     pub window: Option<usize>,
@@ -33,12 +40,39 @@ pub(crate) struct DecodeAttention {
     pub group: usize,
 }
 
-/// One chunk's partial result for every query row of a KV head: running maximum, sum of exponentials, and the
-/// values weighted by those exponentials.
+/// A partial result for every query row of a tile: running maximum, sum of exponentials, and the values weighted
+/// by those exponentials.
 struct Partial {
     max: Vec<f32>,
     sum: Vec<f32>,
     acc: Vec<f32>,
+}
+
+impl Partial {
+    fn empty(rows: usize, d: usize) -> Self {
+        Self {
+            max: vec![f32::NEG_INFINITY; rows],
+            sum: vec![0.0; rows],
+            acc: vec![0.0; rows * d],
+        }
+    }
+
+    /// Folds `other` (the same rows, other keys) into `self`, both rescaled to their common maximum.
+    fn merge(&mut self, other: &Partial) {
+        let d = self.acc.len() / self.max.len().max(1);
+        for r in 0..self.max.len() {
+            if other.sum[r] == 0.0 {
+                continue;
+            }
+            let max = self.max[r].max(other.max[r]);
+            let (mine, theirs) = ((self.max[r] - max).exp(), (other.max[r] - max).exp());
+            self.sum[r] = self.sum[r] * mine + other.sum[r] * theirs;
+            let acc = &mut self.acc[r * d..(r + 1) * d];
+            acc.iter_mut().for_each(|x| *x *= mine);
+            axpy(theirs, &other.acc[r * d..(r + 1) * d], acc);
+            self.max[r] = max;
+        }
+    }
 }
 
 /// The cache's elements: f32, or f16 widened a chunk of positions at a time as they are read.
@@ -76,51 +110,70 @@ impl Cache<'_> {
     }
 }
 
-impl DecodeAttention {
-    /// The positions query `row` (`g * tokens + i`) sees: `first..last` (exclusive), causal and windowed.
-    fn visible(&self, row: usize, tokens: usize) -> (usize, usize) {
-        let query = self.position + row % tokens;
+/// One task: the query tokens `tile` of KV head `bh` (batch x KV heads, flattened) against the keys `keys`.
+struct Task {
+    bh: usize,
+    tile: Range<usize>,
+    keys: Range<usize>,
+}
+
+impl FlashAttention {
+    /// The positions query token `i` of the step sees: `first..last` (exclusive), causal and windowed.
+    fn visible(&self, i: usize) -> Range<usize> {
+        let query = self.position + i;
         let first = self.window.map_or(0, |w| (query + 1).saturating_sub(w));
-        (first, query + 1)
+        first..query + 1
     }
 
-    /// Scores, softmax and weighted values of keys `keys` for every query row of one KV head.
+    /// The positions any query token of `tile` sees.
+    fn visible_to(&self, tile: &Range<usize>) -> Range<usize> {
+        self.visible(tile.start).start..self.visible(tile.end - 1).end
+    }
+
+    /// Query tokens per tile: every query row of the group shares each widened chunk of keys.
+    fn tile_tokens(&self) -> usize {
+        (MAX_ROWS / self.group).max(1)
+    }
+
+    /// Scores, softmax and weighted values of the keys `keys` (at most [`KEYS_PER_CHUNK`]) for the query rows of
+    /// one tile: row `g * tile.len() + i` is query head `g` of the group at token `tile.start + i`, read from
+    /// `q` (the KV head's `[group, tokens, d]` queries).
     fn chunk(
         &self,
         q: &[f32],
         (k, v): (Cache<'_>, Cache<'_>),
         (b, h, tokens, d): (usize, usize, usize, usize),
-        keys: std::ops::Range<usize>,
+        tile: &Range<usize>,
+        keys: Range<usize>,
     ) -> Partial {
-        let rows = self.group * tokens;
+        let n_tile = tile.len();
+        let rows = self.group * n_tile;
         let n = keys.len();
-        let mut partial = Partial {
-            max: vec![f32::NEG_INFINITY; rows],
-            sum: vec![0.0; rows],
-            acc: vec![0.0; rows * d],
-        };
+        let mut partial = Partial::empty(rows, d);
         // Each query row's visible keys, relative to the chunk (empty when it sees none of them).
-        let spans: Vec<std::ops::Range<usize>> = (0..rows)
+        let spans: Vec<Range<usize>> = (0..rows)
             .map(|r| {
-                let (first, last) = self.visible(r, tokens);
-                let first = first.clamp(keys.start, keys.end) - keys.start;
-                let last = last.clamp(keys.start, keys.end) - keys.start;
+                let seen = self.visible(tile.start + r % n_tile);
+                let first = seen.start.clamp(keys.start, keys.end) - keys.start;
+                let last = seen.end.clamp(keys.start, keys.end) - keys.start;
                 first..last.max(first)
             })
             .collect();
+        let query = |r: usize| {
+            let row = (r / n_tile) * tokens + tile.start + r % n_tile;
+            &q[row * d..(row + 1) * d]
+        };
         // The chunk's keys, then its values, widened once (or borrowed from an f32 cache): every query row of the
-        // group reads them from cache, not from memory.
+        // tile reads them from cache, not from memory.
         let mut buf = vec![0f32; n * d];
         let mut scores = vec![0f32; rows * n];
         let kc = k.rows((b, h, keys.start, n, d), &mut buf);
         for (r, span) in spans.iter().enumerate() {
-            let qr = &q[r * d..(r + 1) * d];
-            let row = &mut scores[r * n..(r + 1) * n];
             if span.is_empty() {
                 continue;
             }
-            let seen = &mut row[span.clone()];
-            dots(qr, &kc[span.start * d..span.end * d], seen);
+            let seen = &mut scores[r * n + span.start..r * n + span.end];
+            dots(query(r), &kc[span.start * d..span.end * d], seen);
             for s in seen.iter_mut() {
                 *s *= self.scale;
                 if let Some(cap) = self.softcap {
@@ -141,6 +194,25 @@ impl DecodeAttention {
         partial
     }
 
+    /// A task's keys, chunk after chunk, merged as they come (flash attention's online softmax).
+    fn task(
+        &self,
+        task: &Task,
+        q: &[f32],
+        (k, v): (Cache<'_>, Cache<'_>),
+        [_, kv_heads, group, tokens, d]: [usize; 5],
+    ) -> Partial {
+        let (b, h) = (task.bh / kv_heads, task.bh % kv_heads);
+        let qh = &q[task.bh * group * tokens * d..(task.bh + 1) * group * tokens * d];
+        let mut chunks = chunks(task.keys.clone(), KEYS_PER_CHUNK)
+            .map(|keys| self.chunk(qh, (k, v), (b, h, tokens, d), &task.tile, keys));
+        let mut partial = chunks
+            .next()
+            .unwrap_or_else(|| Partial::empty(group * task.tile.len(), d));
+        chunks.for_each(|c| partial.merge(&c));
+        partial
+    }
+
     /// The attention itself, on slices; `q` contiguous, `out` the same length.
     fn compute(
         &self,
@@ -151,45 +223,71 @@ impl DecodeAttention {
         out: &mut [f32],
     ) {
         let [batch, kv_heads, group, tokens, d] = dims;
-        let rows = group * tokens;
-        let chunks = len.div_ceil(KEYS_PER_TASK).max(1);
-        let task = |t: usize| {
-            let (bh, c) = (t / chunks, t % chunks);
-            let (b, h) = (bh / kv_heads, bh % kv_heads);
-            let keys = c * KEYS_PER_TASK..((c + 1) * KEYS_PER_TASK).min(len);
-            let qh = &q[bh * rows * d..(bh + 1) * rows * d];
-            self.chunk(qh, (k, v), (b, h, tokens, d), keys)
-        };
-        let tasks = batch * kv_heads * chunks;
-        let partials: Vec<Partial> = if batch * kv_heads * len >= PARALLEL_KEYS {
-            (0..tasks).into_par_iter().map(task).collect()
-        } else {
-            (0..tasks).map(task).collect()
-        };
-        // Merge each KV head's chunks: rescale every chunk's sums to the overall maximum.
-        for (bh, parts) in partials.chunks(chunks).enumerate() {
-            for r in 0..rows {
-                let max = parts
-                    .iter()
-                    .map(|p| p.max[r])
-                    .fold(f32::NEG_INFINITY, f32::max);
-                let o = &mut out[(bh * rows + r) * d..(bh * rows + r + 1) * d];
-                o.fill(0.0);
-                if max == f32::NEG_INFINITY {
-                    // No visible key at all (cannot happen for a causal step: its own key is always seen).
-                    continue;
+        let tiles: Vec<Range<usize>> = chunks(0..tokens, self.tile_tokens()).collect();
+        let whole_tiles = batch * kv_heads * tiles.len() >= TILES_FOR_WHOLE_TILE_TASKS;
+        // Tasks in order of (KV head, tile), so each tile's partials are consecutive.
+        let mut tasks = Vec::new();
+        for bh in 0..batch * kv_heads {
+            for tile in &tiles {
+                let seen = self.visible_to(tile);
+                let seen = seen.start..seen.end.min(len);
+                if whole_tiles {
+                    tasks.push(Task {
+                        bh,
+                        tile: tile.clone(),
+                        keys: seen,
+                    });
+                } else {
+                    tasks.extend(chunks(seen, KEYS_PER_CHUNK).map(|keys| Task {
+                        bh,
+                        tile: tile.clone(),
+                        keys,
+                    }));
                 }
-                let mut sum = 0.0;
-                for p in parts.iter().filter(|p| p.sum[r] > 0.0) {
-                    let w = (p.max[r] - max).exp();
-                    sum += p.sum[r] * w;
-                    axpy(w, &p.acc[r * d..(r + 1) * d], o);
-                }
-                let inv = 1.0 / sum;
-                o.iter_mut().for_each(|x| *x *= inv);
             }
         }
+        let run = |t: &Task| (t.bh, t.tile.clone(), self.task(t, q, (k, v), dims));
+        let partials: Vec<(usize, Range<usize>, Partial)> =
+            if batch * kv_heads * len >= PARALLEL_KEYS {
+                tasks.par_iter().map(run).collect()
+            } else {
+                tasks.iter().map(run).collect()
+            };
+        // Merge each tile's partials, then normalise every row by its sum.
+        let mut i = 0;
+        while i < partials.len() {
+            let (bh, tile) = (partials[i].0, partials[i].1.clone());
+            let mut j = i + 1;
+            while j < partials.len() && partials[j].0 == bh && partials[j].1 == tile {
+                j += 1;
+            }
+            let mut merged = Partial::empty(group * tile.len(), d);
+            partials[i..j].iter().for_each(|(_, _, p)| merged.merge(p));
+            for r in 0..group * tile.len() {
+                let row =
+                    bh * group * tokens + (r / tile.len()) * tokens + tile.start + r % tile.len();
+                let o = &mut out[row * d..(row + 1) * d];
+                // No visible key at all cannot happen for a causal step (its own key is always seen): zeros.
+                let inv = if merged.sum[r] > 0.0 {
+                    1.0 / merged.sum[r]
+                } else {
+                    0.0
+                };
+                for (o, a) in o.iter_mut().zip(&merged.acc[r * d..(r + 1) * d]) {
+                    *o = a * inv;
+                }
+            }
+            i = j;
+        }
     }
+}
+
+/// `range` cut into consecutive pieces of at most `size`.
+fn chunks(range: Range<usize>, size: usize) -> impl Iterator<Item = Range<usize>> {
+    range
+        .clone()
+        .step_by(size)
+        .map(move |s| s..(s + size).min(range.end))
 }
 
 /// `out[j] = q . k_j` for the rows `k_j` of `keys` (each as long as `q`).
@@ -362,7 +460,7 @@ fn exp_shifted(xs: &mut [f32], max: f32) {
 fn f32_slice<'a>(s: &'a CpuStorage, what: &str) -> candle_core::Result<&'a [f32]> {
     match s {
         CpuStorage::F32(v) => Ok(v),
-        other => candle_core::bail!("decode attention: {what} are {:?}, not f32", other.dtype()),
+        other => candle_core::bail!("flash attention: {what} are {:?}, not f32", other.dtype()),
     }
 }
 
@@ -377,23 +475,23 @@ fn cache_view<'a>(
         CpuStorage::F32(v) => (Elems::F32(v), v.len()),
         CpuStorage::F16(v) => (Elems::F16(v), v.len()),
         other => candle_core::bail!(
-            "decode attention: {what} are {:?}, not f32 or f16",
+            "flash attention: {what} are {:?}, not f32 or f16",
             other.dtype()
         ),
     };
     let (dims, stride) = (l.dims(), l.stride());
     if dims.len() != 4 || dims[0] != batch || dims[1] != kv_heads || dims[3] != d {
         candle_core::bail!(
-            "decode attention: {what} {dims:?} for queries with {batch} x {kv_heads} x {d}"
+            "flash attention: {what} {dims:?} for queries with {batch} x {kv_heads} x {d}"
         );
     }
     if stride[3] != 1 || stride[2] != d {
-        candle_core::bail!("decode attention: {what} rows are not contiguous ({stride:?})");
+        candle_core::bail!("flash attention: {what} rows are not contiguous ({stride:?})");
     }
     let len = dims[2];
     let last = l.start_offset() + (batch - 1) * stride[0] + (kv_heads - 1) * stride[1] + len * d;
     if len > 0 && last > elems {
-        candle_core::bail!("decode attention: {what} layout runs past its storage");
+        candle_core::bail!("flash attention: {what} layout runs past its storage");
     }
     let view = Cache {
         data,
@@ -404,9 +502,9 @@ fn cache_view<'a>(
     Ok((view, len))
 }
 
-impl CustomOp3 for DecodeAttention {
+impl CustomOp3 for FlashAttention {
     fn name(&self) -> &'static str {
-        "petal-decode-attention"
+        "petal-flash-attention"
     }
 
     fn cpu_fwd(
@@ -419,13 +517,13 @@ impl CustomOp3 for DecodeAttention {
         vl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let Some((start, end)) = ql.contiguous_offsets() else {
-            candle_core::bail!("decode attention: queries must be contiguous");
+            candle_core::bail!("flash attention: queries must be contiguous");
         };
         let q = &f32_slice(qs, "queries")?[start..end];
         let dims: [usize; 5] = match ql.dims() {
             &[b, h, g, t, d] if g == self.group => [b, h, g, t, d],
             other => {
-                candle_core::bail!("decode attention: queries {other:?}, group {}", self.group)
+                candle_core::bail!("flash attention: queries {other:?}, group {}", self.group)
             }
         };
         let [b, h, _, _, d] = dims;
@@ -433,7 +531,7 @@ impl CustomOp3 for DecodeAttention {
         let (v, vlen) = cache_view(vs, vl, "values", (b, h, d))?;
         if vlen != len || len < self.position + dims[3] {
             candle_core::bail!(
-                "decode attention: {len} keys and {vlen} values for {} tokens at position {}",
+                "flash attention: {len} keys and {vlen} values for {} tokens at position {}",
                 dims[3],
                 self.position
             );
@@ -464,7 +562,7 @@ mod tests {
     }
 
     /// The textbook computation with candle ops: repeated KV heads, a full mask, softmax.
-    fn reference(op: &DecodeAttention, q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
+    fn reference(op: &FlashAttention, q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
         let (b, h, g, t, d) = q.dims5().unwrap();
         let len = k.dim(2).unwrap();
         let q = q.reshape((b, h, g * t, d)).unwrap();
@@ -476,9 +574,9 @@ mod tests {
         }
         let mask: Vec<f32> = (0..g * t)
             .flat_map(|r| {
-                let (first, last) = op.visible(r, t);
+                let seen = op.visible(r % t);
                 (0..len).map(move |j| {
-                    if j >= first && j < last {
+                    if seen.contains(&j) {
                         0.0
                     } else {
                         f32::NEG_INFINITY
@@ -505,10 +603,38 @@ mod tests {
             .unwrap()
     }
 
+    /// The kernel against the reference, over keys and values that are views into buffers with room to grow (as
+    /// the cache holds them), with an f32 and an f16 cache.
+    fn check(op: FlashAttention, (b, h, tokens, len): (usize, usize, usize, usize)) {
+        let (g, d, capacity) = (op.group, 64, len + 13);
+        let q = random(&[b, h, g, tokens, d], len as u64);
+        let kb = random(&[b, h, capacity, d], 1 + len as u64);
+        let vb = random(&[b, h, capacity, d], 2 + len as u64);
+        let (k, v) = (kb.narrow(2, 0, len).unwrap(), vb.narrow(2, 0, len).unwrap());
+        let got = q.apply_op3_no_bwd(&k, &v, &op).unwrap();
+        let want = reference(&op, &q, &k, &v);
+        let diff = max_diff(&got, &want);
+        assert!(diff < 1e-5, "{op:?}, len {len}, tokens {tokens}: {diff}");
+        // An f16 cache: the same as the reference over its values widened to f32.
+        let (kh, vh) = (
+            kb.to_dtype(DType::F16).unwrap(),
+            vb.to_dtype(DType::F16).unwrap(),
+        );
+        let (kh, vh) = (kh.narrow(2, 0, len).unwrap(), vh.narrow(2, 0, len).unwrap());
+        let got = q.apply_op3_no_bwd(&kh, &vh, &op).unwrap();
+        let widened = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        let want = reference(&op, &q, &widened(&kh), &widened(&vh));
+        let diff = max_diff(&got, &want);
+        assert!(
+            diff < 1e-5,
+            "f16, {op:?}, len {len}, tokens {tokens}: {diff}"
+        );
+    }
+
     #[test]
     fn matches_the_textbook_computation_over_views_of_a_larger_cache() {
         // Contexts below and above the parallel threshold and across several chunks; one and several tokens;
-        // windows and softcaps; keys and values as views into buffers with room to grow, as the cache holds them.
+        // windows and softcaps; prompts of many tiles, on the calling thread and on the pool.
         for (len, tokens, window, softcap) in [
             (1, 1, None, None),
             (37, 1, None, None),
@@ -516,35 +642,34 @@ mod tests {
             (700, 3, Some(100), None),
             (3000, 2, None, None),
             (3000, 1, Some(1024), Some(50.0)),
+            (40, 40, None, None),
+            (300, 300, None, None),
+            (700, 100, Some(64), Some(30.0)),
         ] {
-            let (b, h, g, d, capacity) = (2, 3, 3, 64, len + 13);
-            let position = len - tokens;
-            let q = random(&[b, h, g, tokens, d], len as u64);
-            let kb = random(&[b, h, capacity, d], 1 + len as u64);
-            let vb = random(&[b, h, capacity, d], 2 + len as u64);
-            let (k, v) = (kb.narrow(2, 0, len).unwrap(), vb.narrow(2, 0, len).unwrap());
-            let op = DecodeAttention {
+            let op = FlashAttention {
                 scale: 0.125,
                 softcap,
                 window,
-                position,
-                group: g,
+                position: len - tokens,
+                group: 3,
             };
-            let got = q.apply_op3_no_bwd(&k, &v, &op).unwrap();
-            let want = reference(&op, &q, &k, &v);
-            let diff = max_diff(&got, &want);
-            assert!(diff < 1e-5, "len {len}, tokens {tokens}: {diff}");
-            // An f16 cache: the same as the reference over its values widened to f32.
-            let (kh, vh) = (
-                kb.to_dtype(DType::F16).unwrap(),
-                vb.to_dtype(DType::F16).unwrap(),
-            );
-            let (kh, vh) = (kh.narrow(2, 0, len).unwrap(), vh.narrow(2, 0, len).unwrap());
-            let got = q.apply_op3_no_bwd(&kh, &vh, &op).unwrap();
-            let widened = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-            let want = reference(&op, &q, &widened(&kh), &widened(&vh));
-            let diff = max_diff(&got, &want);
-            assert!(diff < 1e-5, "f16, len {len}, tokens {tokens}: {diff}");
+            check(op, (2, 3, tokens, len));
+        }
+    }
+
+    #[test]
+    fn tiles_fit_every_group_size() {
+        // One query head per KV head (64 tokens a tile), more heads than a tile has rows, and a tile that does
+        // not divide the prompt.
+        for group in [1, 5, 8, 80] {
+            let op = FlashAttention {
+                scale: 0.125,
+                softcap: None,
+                window: None,
+                position: 20,
+                group,
+            };
+            check(op, (1, 2, 150, 170));
         }
     }
 
@@ -565,7 +690,7 @@ mod tests {
 
     #[test]
     fn refuses_what_it_cannot_read() {
-        let op = DecodeAttention {
+        let op = FlashAttention {
             scale: 1.0,
             softcap: None,
             window: None,
@@ -579,7 +704,7 @@ mod tests {
         assert!(q.apply_op3_no_bwd(&short, &short, &op).is_err());
         let bf16 = k.to_dtype(DType::BF16).unwrap();
         assert!(q.apply_op3_no_bwd(&bf16, &bf16, &op).is_err());
-        let other = DecodeAttention { group: 3, ..op };
+        let other = FlashAttention { group: 3, ..op };
         assert!(q.apply_op3_no_bwd(&k, &k, &other).is_err());
         let transposed = random(&[1, 2, 8, 4], 3).transpose(2, 3).unwrap();
         assert!(q.apply_op3_no_bwd(&transposed, &transposed, &op).is_err());
