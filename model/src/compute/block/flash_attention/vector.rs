@@ -1,0 +1,190 @@
+//! The inner loops of [`super::FlashAttention`]: dot products of a query with many keys, sums of weighted value
+//! rows, and the softmax's shifted exponentials, in AVX2 where the CPU has it (detected at run time) with scalar
+//! fallbacks.
+
+/// `out[j] = q . k_j` for the rows `k_j` of `keys` (each as long as `q`).
+pub(super) fn dots(q: &[f32], keys: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if q.len().is_multiple_of(8) && x86::available() {
+        // SAFETY: the CPU has AVX2 and FMA; the lengths are checked by the kernel's asserts.
+        return unsafe { x86::dots(q, keys, out) };
+    }
+    for (o, k) in out.iter_mut().zip(keys.chunks_exact(q.len())) {
+        *o = q.iter().zip(k).map(|(a, b)| a * b).sum();
+    }
+}
+
+/// `acc += sum_j w_j v_j` over the rows `v_j` of `values` (each as long as `acc`).
+pub(super) fn weighted_sum(weights: &[f32], values: &[f32], acc: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if acc.len().is_multiple_of(8) && x86::available() {
+        // SAFETY: as in `dots`.
+        return unsafe { x86::weighted_sum(weights, values, acc) };
+    }
+    for (w, v) in weights.iter().zip(values.chunks_exact(acc.len())) {
+        axpy(*w, v, acc);
+    }
+}
+
+/// The two inner loops with AVX2: eight keys' dot products at once, reduced together (one horizontal reduction
+/// per eight keys instead of per key), and values accumulated in registers 64 columns at a time.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    pub fn available() -> bool {
+        static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *AVAILABLE
+            .get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dots(q: &[f32], keys: &[f32], out: &mut [f32]) {
+        let d = q.len();
+        let n = out.len();
+        assert!(d.is_multiple_of(8) && keys.len() >= n * d);
+        let (q, k) = (q.as_ptr(), keys.as_ptr());
+        let mut j = 0;
+        while j + 8 <= n {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for c in (0..d).step_by(8) {
+                let qv = _mm256_loadu_ps(q.add(c));
+                for (jj, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k.add((j + jj) * d + c)), *a);
+                }
+            }
+            _mm256_storeu_ps(out.as_mut_ptr().add(j), reduce8(&acc));
+            j += 8;
+        }
+        while j < n {
+            let mut a = _mm256_setzero_ps();
+            for c in (0..d).step_by(8) {
+                a = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(q.add(c)),
+                    _mm256_loadu_ps(k.add(j * d + c)),
+                    a,
+                );
+            }
+            let r = _mm_add_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
+            let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+            out[j] = _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+            j += 1;
+        }
+    }
+
+    /// Eight vectors to the vector of their eight totals.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn reduce8(v: &[__m256; 8]) -> __m256 {
+        let s01 = _mm256_hadd_ps(v[0], v[1]);
+        let s23 = _mm256_hadd_ps(v[2], v[3]);
+        let s45 = _mm256_hadd_ps(v[4], v[5]);
+        let s67 = _mm256_hadd_ps(v[6], v[7]);
+        let s0123 = _mm256_hadd_ps(s01, s23);
+        let s4567 = _mm256_hadd_ps(s45, s67);
+        // Each 128-bit half holds one half's sums of vectors 0..4 (then 4..8): add the halves.
+        _mm256_add_ps(
+            _mm256_permute2f128_ps(s0123, s4567, 0x20),
+            _mm256_permute2f128_ps(s0123, s4567, 0x31),
+        )
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn weighted_sum(weights: &[f32], values: &[f32], acc: &mut [f32]) {
+        const BLOCK: usize = 64;
+        let d = acc.len();
+        let n = weights.len();
+        assert!(d.is_multiple_of(8) && values.len() >= n * d);
+        let v = values.as_ptr();
+        let mut c0 = 0;
+        while c0 < d {
+            let width = BLOCK.min(d - c0) / 8;
+            let mut regs = [_mm256_setzero_ps(); BLOCK / 8];
+            for (i, r) in regs[..width].iter_mut().enumerate() {
+                *r = _mm256_loadu_ps(acc.as_ptr().add(c0 + 8 * i));
+            }
+            for (j, w) in weights.iter().enumerate() {
+                let w = _mm256_set1_ps(*w);
+                for (i, r) in regs[..width].iter_mut().enumerate() {
+                    *r = _mm256_fmadd_ps(w, _mm256_loadu_ps(v.add(j * d + c0 + 8 * i)), *r);
+                }
+            }
+            for (i, r) in regs[..width].iter().enumerate() {
+                _mm256_storeu_ps(acc.as_mut_ptr().add(c0 + 8 * i), *r);
+            }
+            c0 += BLOCK;
+        }
+    }
+}
+
+/// `y += a * x`.
+#[inline]
+pub(super) fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+/// A sum in eight independent lanes (vectorised; the order differs from a sequential sum only by rounding).
+pub(super) fn sum(xs: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let chunks = xs.chunks_exact(8);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for l in 0..8 {
+            lanes[l] += c[l];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// `x = exp(x - max)` for scores at most `max`, in straight-line code the compiler vectorises: `2^n * p(r)` with
+/// `x - max = n ln 2 + r`, `|r| <= ln 2 / 2`, and Cephes' degree-7 polynomial for `e^r` (within 2 ulp of `expf`).
+/// Arguments below -87 (weights under 1e-38) give 0.
+pub(super) fn exp_shifted(xs: &mut [f32], max: f32) {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 split in two, so `n * LN2_HI` is exact.
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const P: [f32; 6] = [
+        1.987_569_1e-4,
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ];
+    for x in xs.iter_mut() {
+        let shifted = *x - max;
+        let a = shifted.max(-87.0);
+        let n = (a * LOG2E + 0.5).floor();
+        let r = a - n * LN2_HI - n * LN2_LO;
+        let mut p = P[0];
+        for c in &P[1..] {
+            p = p * r + *c;
+        }
+        let e = p * r * r + r + 1.0;
+        let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+        *x = if shifted < -87.0 { 0.0 } else { e * scale };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_is_within_a_few_ulp_of_expf() {
+        let mut xs: Vec<f32> = (0..=870_000).map(|i| -(i as f32) * 1e-4).collect();
+        let want: Vec<f32> = xs.iter().map(|x| x.exp()).collect();
+        exp_shifted(&mut xs, 0.0);
+        for (i, (got, want)) in xs.iter().zip(&want).enumerate() {
+            let err = (got - want).abs() / want;
+            assert!(err < 5e-7, "exp({}): {got} vs {want}", -(i as f32) * 1e-4);
+        }
+        // Shifted by the maximum, and far below it: exactly 1, and 0.
+        let mut xs = [3.5f32, -200.0];
+        exp_shifted(&mut xs, 3.5);
+        assert_eq!(xs, [1.0, 0.0]);
+    }
+}
