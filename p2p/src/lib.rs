@@ -31,7 +31,7 @@ pub use config::{
 pub use error::NetError;
 pub use identity::{generate_to_file, load_from_file};
 pub use libp2p::connection_limits::ConnectionLimits;
-pub use network::{inference_protocol, Network, OPEN_STREAM_TIMEOUT};
+pub use network::{inference_protocol, Network, HANDSHAKE_TIMEOUT, OPEN_STREAM_TIMEOUT};
 pub use reachability::{ConnectionPath, NatStatus, Reachability, RelayLimits};
 pub use records::{find_servers, is_live, model_key, now_unix_ms, server_key, SERVERS_KEY};
 

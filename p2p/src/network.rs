@@ -235,8 +235,9 @@ impl Network {
             .unwrap_or_default()
     }
 
-    /// Runs a Kademlia bootstrap (self-lookup plus bucket refresh) and waits for it. `Ok` at once if no bootstrap
-    /// peers are configured and the routing table is empty (the first node of a swarm).
+    /// Runs a Kademlia bootstrap (self-lookup plus bucket refresh) and waits for its self-lookup; the refresh goes
+    /// on in the background. `Ok` at once if no bootstrap peers are configured and the routing table is empty (the
+    /// first node of a swarm); an error if no peer could be reached.
     pub async fn bootstrap(&self) -> Result<(), NetError> {
         self.request(|reply| Command::Bootstrap { reply }).await?
     }

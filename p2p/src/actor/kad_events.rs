@@ -95,7 +95,11 @@ impl Actor {
                 }
             }
             kad::QueryResult::Bootstrap(result) => {
-                if step.last {
+                // The caller is answered after the first step, the lookup of our own id, which fills the routing
+                // table with our neighbours; the bucket refreshes after it go on in the background. Waiting for
+                // them too would make the caller wait out an unreachable bootstrap peer's handshake once per
+                // refresh, since maintenance keeps re-adding bootstrap peers to the table.
+                if step.count.get() == 1 || step.last {
                     if let Some(reply) = self.bootstraps.remove(&id) {
                         let result = match result {
                             Ok(_) if self.swarm.connected_peers().next().is_some() => Ok(()),
