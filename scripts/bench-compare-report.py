@@ -70,6 +70,16 @@ def cpu_model():
     return platform.processor() or "unknown"
 
 
+def gpu_model():
+    """The GPUs' names and driver, as nvidia-smi reports them; None where there is none."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+        return out or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def spread(runs):
     """Largest over smallest of a figure's repetitions (1.0: all alike); None without at least two."""
     runs = [r for r in runs or [] if r]
@@ -143,14 +153,18 @@ def rows(work, petal):
                    "llama.cpp pp2048 time", "lower", "<=", 1.5, "time of the 2048-token prefill",
                    runs=(p["runs_ms"], pp2048.get("samples_ns"))))
 
-    rss = petal["node_rss"]
-    llama_kb = int(open(os.path.join(work, "llama-rss.kb")).read().split()[-1])
-    gguf = rss["gguf_bytes"]
-    out.append(row("peak RSS, node with all blocks", "MiB", round(rss["vm_hwm_bytes"] / 2**20, 1),
-                   round(gguf / 2**20, 1), "GGUF file size", "lower", "<=", 1.3,
-                   "petal-node serve 0..30, no session: VmHWM",
-                   f"llama-bench tg128 peak RSS {llama_kb / 1024:.1f} MiB = {llama_kb * 1024 / gguf:.2f}x GGUF; "
-                   f"petal/llama.cpp {rss['vm_hwm_bytes'] / (llama_kb * 1024):.2f}x"))
+    rss = petal.get("node_rss")
+    if rss is None:
+        out.append(missing("peak RSS, node with all blocks", "MiB",
+                           "not measured on a GPU (the weights live in device memory)", "<= 1.3"))
+    else:
+        llama_kb = int(open(os.path.join(work, "llama-rss.kb")).read().split()[-1])
+        gguf = rss["gguf_bytes"]
+        out.append(row("peak RSS, node with all blocks", "MiB", round(rss["vm_hwm_bytes"] / 2**20, 1),
+                       round(gguf / 2**20, 1), "GGUF file size", "lower", "<=", 1.3,
+                       "petal-node serve 0..30, no session: VmHWM",
+                       f"llama-bench tg128 peak RSS {llama_kb / 1024:.1f} MiB = {llama_kb * 1024 / gguf:.2f}x GGUF; "
+                       f"petal/llama.cpp {rss['vm_hwm_bytes'] / (llama_kb * 1024):.2f}x"))
 
     s = petal["sessions"]
     n = s["sessions"]
@@ -223,12 +237,14 @@ def main():
     ap = argparse.ArgumentParser()
     for a in ("--work", "--out", "--threads", "--model", "--started", "--load-start", "--load-end"):
         ap.add_argument(a, required=True)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     petal = load(os.path.join(args.work, "petal.json"))
     table_rows, tg = rows(args.work, petal)
     report = {
         "started": args.started,
         "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "threads": int(args.threads),
+                    "device": args.device, "gpu": gpu_model() if args.device != "cpu" else None,
                     "load_avg_start": args.load_start, "load_avg_end": args.load_end},
         "model": args.model,
         "llama_cpp": {"build_commit": tg.get("build_commit"), "build_number": tg.get("build_number"),
@@ -245,7 +261,8 @@ def main():
         json.dump(report, f, indent=2)
         f.write("\n")
     m = report["machine"]
-    print(f"Petal vs llama.cpp: {args.model}, {m['threads']} threads, {m['cpu']} ({m['cpus']} cpus), "
+    on = f"on {args.device} ({m['gpu']}), " if m["gpu"] else ""
+    print(f"Petal vs llama.cpp: {args.model}, {on}{m['threads']} threads, {m['cpu']} ({m['cpus']} cpus), "
           f"load {args.load_start} -> {args.load_end}, llama.cpp {report['llama_cpp']['build_commit']} "
           f"({report['llama_cpp']['flags']}); KV cache: petal {petal.get('kv_dtype', '?')}, llama.cpp f16 (its default)")
     print("ratio = petal / reference (throughput rows: higher is better; ms and MiB rows: lower is better); "

@@ -35,6 +35,21 @@ fn pushed_and_client_driven_generation_equal_local() {
     // Every decode step (all but the prompt's) went server to server.
     assert_eq!(pushed_steps(&pushed), 47, "{}", pushed.raw);
 
+    // --verify all on a chain where no other server holds any span: the prompt's step finds nothing to check
+    // against, and from then on no draw stands in the way of a push.
+    let unchecked = swarm
+        .generate(&model, PROMPT)
+        .max_new_tokens(48)
+        .ignore_eos()
+        .args(&["--verify", "all"])
+        .run_json();
+    assert_same_tokens("pushed, every step drawn", &unchecked, &local);
+    assert_eq!(pushed_steps(&unchecked), 47, "{}", unchecked.raw);
+    let checks = &unchecked.raw["verification"];
+    assert_eq!(checks["checked_steps"].as_u64(), Some(0), "{checks}");
+    // Every hop of every step was drawn, and none could be checked: 3 hops x (the prompt + 47 decode steps).
+    assert_eq!(checks["unverifiable"].as_u64(), Some(3 * 48), "{checks}");
+
     let driven = swarm
         .generate(&model, PROMPT)
         .max_new_tokens(48)

@@ -52,6 +52,22 @@ fn bad_startup_is_a_clear_error() {
     );
 }
 
+/// The side-by-side bench refuses a device this build or machine lacks before it loads or measures anything.
+#[test]
+fn bench_compare_refuses_an_absent_device() {
+    let mut cmd = Command::new(bin("petal-bench"));
+    cmd.args(["compare", "--device", "cuda:7", "--model"])
+        .arg(smollm_gguf());
+    let out = run_with_timeout(cmd, Duration::from_secs(30));
+    assert!(!out.success() && !out.timed_out(), "{out}");
+    assert!(!out.stderr.contains("panicked"), "panicked\n{out}");
+    assert!(
+        out.stderr.contains("cuda:7") && out.stderr.contains("available"),
+        "the error should name the device and what is available\n{out}"
+    );
+    assert!(out.stdout.trim().is_empty(), "printed a report\n{out}");
+}
+
 /// The fixture itself: a node that cannot start fails the test at once, with the node's error in the message,
 /// instead of waiting out the startup timeout.
 #[test]

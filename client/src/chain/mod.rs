@@ -97,6 +97,12 @@ impl ChainLink {
         }
     }
 
+    /// Whether a check of this link can do nothing now: no second chain is open, and none covered its blocks when
+    /// last looked, less than [`verify::RECHECK_AFTER`] ago.
+    fn uncheckable(&self, now: Instant) -> bool {
+        self.shadow.is_none() && self.unverifiable_until.is_some_and(|t| now < t)
+    }
+
     /// What its answers' rounding depends on ([`Numerics`]).
     fn numerics(&self) -> Numerics {
         Numerics::of_server(&self.hop.hop().record, self.hop.wire_dtype())
@@ -274,9 +280,18 @@ impl ChainSession {
         let tokens = hidden.dim(1).map_err(petal_model::ModelError::from)?;
         let deadline = Instant::now() + self.config.failover_budget;
         let timeout = self.config.timeout_for(tokens);
-        let draws: VecDeque<bool> = (0..self.links.len())
-            .map(|_| self.config.verify.draw())
-            .collect();
+        // A draw on a link that cannot be checked is counted as unverifiable here and dropped, so that the step
+        // can still go server to server: checking would only have made it client-driven, for nothing.
+        let now = Instant::now();
+        let mut draws = VecDeque::with_capacity(self.links.len());
+        for i in 0..self.links.len() {
+            let drawn = self.config.verify.draw();
+            let uncheckable = self.links[i].uncheckable(now);
+            if drawn && uncheckable {
+                self.verification.unverifiable += 1;
+            }
+            draws.push_back(drawn && !uncheckable);
+        }
         let end = self.links.len();
         let (x, timings) = match self.push_targets(tokens, &draws) {
             Some(targets) => self.step_pushed(hidden, targets, timeout, deadline).await?,

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 /// How long a hop whose blocks no other server holds goes unchecked before the swarm is looked at again.
-const RECHECK_AFTER: Duration = Duration::from_secs(30);
+pub(super) const RECHECK_AFTER: Duration = Duration::from_secs(30);
 
 /// A failure of a checking chain: which of its links failed, and how.
 type LinkFailure = (usize, ClientError);

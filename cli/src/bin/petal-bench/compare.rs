@@ -23,7 +23,7 @@ use petal_cli::LocalSwarm;
 use petal_client::generator::compute;
 use petal_client::{Generator, Session, SwarmClient};
 use petal_model::models_dir::{default_model, missing_model, DEFAULT_MODEL};
-use petal_model::{BlockRange, ModelRef, ModelSource, Placement};
+use petal_model::{BlockRange, DeviceSpec, ModelRef, ModelSource, Placement};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -83,6 +83,10 @@ pub struct CompareArgs {
     /// llama.cpp's default cache is f16.
     #[arg(long, value_parser = parse_kv_dtype)]
     kv_dtype: Option<DType>,
+    /// Device of every Petal run (local model, nodes, the client's head): cpu, cuda:N, metal:N or auto (GPU
+    /// builds: `--features cuda`). The node's resident size is measured on the CPU only.
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 fn parse_kv_dtype(s: &str) -> std::result::Result<DType, String> {
@@ -117,6 +121,8 @@ impl CompareArgs {
 struct Model {
     path: PathBuf,
     source: ModelSource,
+    /// `--device`, as named (for the nodes) and opened (for the local model and the head).
+    device: DeviceSpec,
     head: Placement,
     span: Placement,
     /// `--kv-dtype`.
@@ -129,12 +135,15 @@ impl Model {
             Some(m) => petal_cli::hub::local_path(m)?,
             None => default_model().with_context(|| missing_model(DEFAULT_MODEL))?,
         };
+        let device = DeviceSpec::parse(&args.device)?;
+        let opened: Device = device.open()?;
         let source =
             ModelSource::open(&path).with_context(|| format!("opening {}", path.display()))?;
-        let span = source.block_placement(&Device::Cpu, Some(DType::F32));
+        let span = source.block_placement(&opened, Some(DType::F32));
         Ok(Self {
             path,
-            head: Placement::new(Device::Cpu, DType::F32),
+            device,
+            head: Placement::new(opened, DType::F32),
             span,
             kv_dtype: args.kv_dtype,
             source,
@@ -208,6 +217,7 @@ fn describe(model: &Model, args: &CompareArgs) -> Result<Value> {
         "model": model.path.display().to_string(),
         "model_id": model.source.model_id()?,
         "quantization": model.source.quantization(),
+        "device": model.device.to_string(),
         "gguf_bytes": weights_bytes(&model.path),
         "compute_dtype": model.span.dtype.as_str(),
         "kv_dtype": model.kv_dtype.unwrap_or(model.span.dtype).as_str(),
@@ -232,7 +242,11 @@ async fn warm_up(generator: &Generator, vocab: usize) -> Result<()> {
 async fn prefill_once(generator: &Generator, ids: &[u32]) -> Result<Duration> {
     let mut session = generator.open_session(ids.len()).await?;
     let t = Instant::now();
-    let result = generator.step(&mut session, ids).await;
+    // A GPU computes asynchronously: the clock stops once the logits exist, not when their kernels are queued.
+    let result = match generator.step(&mut session, ids).await {
+        Ok((logits, _)) => logits.device().synchronize().map_err(anyhow::Error::from),
+        Err(e) => Err(e.into()),
+    };
     let elapsed = t.elapsed();
     session.close().await;
     result?;
@@ -378,8 +392,9 @@ async fn with_swarm<T>(
     spans: &[BlockRange],
     body: impl AsyncFnOnce(&SwarmClient) -> Result<T>,
 ) -> Result<T> {
-    let (dtype, kv_dtype) = (model.span.dtype, model.kv_dtype);
+    let (device, dtype, kv_dtype) = (model.device, model.span.dtype, model.kv_dtype);
     let swarm = LocalSwarm::start(&model.path, spans, |cfg| {
+        cfg.devices = vec![device];
         cfg.dtype = Some(dtype);
         cfg.kv_dtype = kv_dtype;
     })

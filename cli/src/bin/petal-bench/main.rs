@@ -191,6 +191,8 @@ async fn run(args: &Args) -> Result<Value> {
         "load_avg_end": load_average(),
     });
     report["local"] = local_summary.to_json();
+    // The greedy tokens themselves, so runs on different devices or builds can be compared.
+    report["local"]["tokens"] = json!(local_runs.first().map(|r| r.tokens.clone()));
     report["chains"] = chains
         .iter()
         .map(|c| c.to_json(&local_summary, &local_runs))

@@ -144,7 +144,9 @@ impl ProbeTimes {
         chain_out: &Tensor,
     ) -> Result<()> {
         if let Some((local_out, _)) = &local {
-            let diff = (local_out.to_dtype(DType::F32)? - chain_out.to_dtype(DType::F32)?)?
+            // The chain's output comes off the wire on the CPU; the local blocks' may be on a GPU.
+            let on_cpu = |t: &Tensor| t.to_device(&candle_core::Device::Cpu)?.to_dtype(DType::F32);
+            let diff = (on_cpu(local_out)? - on_cpu(chain_out)?)?
                 .abs()?
                 .flatten_all()?
                 .max(0)?
