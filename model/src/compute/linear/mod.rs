@@ -1,6 +1,5 @@
 //! Matmul weights (`y = x W^T`): candle's `QMatMul`, or our own CPU kernels for the formats where candle's are
 //! slow (Q4_1: candle's dot product is its generic scalar loop) or run on a second thread pool (Q8_0).
-pub mod dot;
 pub mod q4_1;
 pub mod q8_0;
 pub mod q8_1;
@@ -13,6 +12,7 @@ pub use stacked::Stacked;
 use crate::error::Result;
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{CpuStorage, DType, Device, Layout, Module, Shape, Tensor};
+use rayon::prelude::*;
 use std::sync::Arc;
 
 #[derive(Debug, Clone)]
@@ -85,6 +85,51 @@ pub(crate) fn cpu_matmul(
         CpuStorage::F32(matmul(x, x.len() / k)),
         Shape::from(out_dims),
     ))
+}
+
+/// Weight rows our kernels interleave (one 32-bit lane each of a 512-bit vector), and so the output columns one
+/// task computes.
+pub const GROUP_ROWS: usize = 16;
+/// Activation rows a task walks its group's weights over at a time, kept hot in cache while it does.
+const ACTIVATION_ROWS_PER_TILE: usize = 64;
+
+/// The `[m, n]` output of a matmul whose `n` output columns come in groups of [`GROUP_ROWS`]: one rayon task per
+/// group, which calls `dots(group, rows, out)` for each tile of activation rows to fill `out[i]` with row
+/// `rows.start + i`'s outputs (the last group's columns past `n` are dropped).
+pub(crate) fn matmul_by_groups(
+    n: usize,
+    m: usize,
+    dots: impl Fn(usize, std::ops::Range<usize>, &mut [[f32; GROUP_ROWS]]) + Sync,
+) -> Vec<f32> {
+    let mut out = vec![0f32; m * n];
+    let dst = SharedOut(out.as_mut_ptr());
+    (0..n.div_ceil(GROUP_ROWS)).into_par_iter().for_each(|g| {
+        let first = g * GROUP_ROWS;
+        let width = GROUP_ROWS.min(n - first);
+        let mut tile_out = [[0f32; GROUP_ROWS]; ACTIVATION_ROWS_PER_TILE];
+        for tile in (0..m).step_by(ACTIVATION_ROWS_PER_TILE) {
+            let rows = tile..(tile + ACTIVATION_ROWS_PER_TILE).min(m);
+            dots(g, rows.clone(), &mut tile_out);
+            for (i, v) in tile_out[..rows.len()].iter().enumerate() {
+                // SAFETY: `(tile + i) * n + first + width` is at most `out`'s length (tile + i < m, first + width
+                // <= n), and columns `first..first + width` belong to this task alone, so no two tasks write the
+                // same element.
+                unsafe { dst.write((tile + i) * n + first, &v[..width]) };
+            }
+        }
+    });
+    out
+}
+
+/// The output buffer, shared by tasks that write disjoint columns.
+struct SharedOut(*mut f32);
+// SAFETY: tasks write disjoint elements and the buffer outlives the parallel loop that uses it.
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    unsafe fn write(&self, at: usize, v: &[f32]) {
+        std::ptr::copy_nonoverlapping(v.as_ptr(), self.0.add(at), v.len());
+    }
 }
 
 /// The blocks of a `[rows, cols]` matrix of ggml `format` blocks (`per_block` values in `block_bytes` bytes each)

@@ -1,41 +1,104 @@
-//! Q8_0 weights (most often a tied LM head: SmolLM2's `token_embd`) multiplied by f32 activations on our own thread
-//! pool.
+//! Q8_0 weights (most often a tied LM head: SmolLM2's `token_embd`) multiplied by f32 activations with our own
+//! kernels, on our own thread pool.
 //!
-//! Candle's kernel is fine; its thread pool is the cost. Its workers spin between matmuls on the same cores as
-//! ours, so every decode step that ended in candle's LM head paid for them in the next step's blocks. Here the
-//! product runs on rayon, like every other kernel of a step, and gives candle's result bit for bit: the AVX2
-//! kernel is its `vec_dot_q8_0_q8_0` (eight lanes of integer sums, one fused multiply-add per block, the same
-//! horizontal sum), and the scalar one follows the same lanes and order. (On CPUs with AVX-VNNI, candle takes a
-//! repacked kernel instead for rows whose length is a multiple of 256, with sums in another order; SmolLM2's 576
-//! is not.)
-use super::dot::hsum_lanes;
+//! Candle's thread pool was the first cost: its workers spin between matmuls on the same cores as ours, so every
+//! decode step that ended in candle's LM head paid for them in the next step's blocks. Its kernel was the second:
+//! one weight row at a time, a horizontal sum per row. Here weights are repacked at load time into groups of
+//! [`GROUP_ROWS`] interleaved rows (as [`super::q4_1`] does), each vector lane a different row, and the product gives
+//! candle's result bit for bit: candle's AVX2 `vec_dot_q8_0_q8_0` keeps eight lanes per row, lane `l` summing the
+//! products of bytes `4l..4l + 4` of each block and adding `d_w * d_x * sum` to itself (fused), then sums the lanes
+//! pairwise. Our kernels keep the same eight sums per row, one vector per `l` with a row in each lane. (On CPUs with
+//! AVX-VNNI, candle takes a repacked kernel instead for rows whose length is a multiple of 256, with sums in
+//! another order; SmolLM2's 576 is not.)
+use super::GROUP_ROWS;
 use crate::error::Result;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape};
 use half::f16;
-use rayon::prelude::*;
 
 /// Values per block.
 pub const QK8_0: usize = 32;
 /// Bytes of one ggml `block_q8_0`: scale `d` (half), 32 signed bytes.
 const BLOCK_BYTES: usize = 2 + QK8_0;
-/// Weight rows handled by one task.
-const WEIGHT_ROWS_PER_TASK: usize = 64;
+/// Value bytes of one block of a group: eight parts (four bytes of each row, row `k` at `4k`).
+const BLOCK_QS: usize = GROUP_ROWS * QK8_0;
 
-/// Rows of Q8_0 blocks: the weights (scales as halves, as in the file) or quantized activations.
+/// A `[rows, cols]` Q8_0 weight matrix, repacked into groups of interleaved rows (rows past the last are zero).
 #[derive(Debug)]
 pub struct Q8_0Matrix {
+    /// `[group][block][row of the group]`.
     d: Vec<f16>,
-    qs: Vec<[i8; QK8_0]>,
+    /// `[group][block][part][row of the group][byte]`.
+    qs: Vec<i8>,
     rows: usize,
     cols: usize,
 }
 
-/// One row's blocks.
+/// One group's blocks: `GROUP_ROWS` scales and [`BLOCK_QS`] bytes per block.
+#[derive(Debug, Clone, Copy)]
+pub struct Q8_0Group<'a> {
+    pub d: &'a [f16],
+    pub qs: &'a [i8],
+}
+
+impl Q8_0Group<'_> {
+    pub fn blocks(&self) -> usize {
+        self.d.len() / GROUP_ROWS
+    }
+}
+
+/// Activations quantized to Q8_0 blocks as candle's `BlockQ8_0::from_float` does.
+#[derive(Debug)]
+pub struct Q8_0Rows {
+    blocks: usize,
+    /// The f32 values of the blocks' half-precision scales.
+    d: Vec<f32>,
+    qs: Vec<[i8; QK8_0]>,
+    /// `-128` times the sum of each four bytes: what a product with weights offset by 128 (unsigned, as `dpbusd`
+    /// takes them) has too much.
+    offset: Vec<[i32; QK8_0 / 4]>,
+}
+
+/// One row of [`Q8_0Rows`].
 #[derive(Debug, Clone, Copy)]
 pub struct Q8_0Row<'a> {
-    pub d: &'a [f16],
+    pub d: &'a [f32],
     pub qs: &'a [[i8; QK8_0]],
+    pub offset: &'a [[i32; QK8_0 / 4]],
+}
+
+impl Q8_0Rows {
+    /// `m` rows of `x` (row-major, a multiple of 32 values each).
+    pub fn quantize(x: &[f32], m: usize) -> Self {
+        let blocks = x.len().checked_div(m).unwrap_or(0) / QK8_0;
+        let mut q = Self {
+            blocks,
+            d: Vec::with_capacity(m * blocks),
+            qs: Vec::with_capacity(m * blocks),
+            offset: Vec::with_capacity(m * blocks),
+        };
+        for xs in x.chunks_exact(QK8_0) {
+            let amax = xs.iter().fold(0f32, |a, x| a.max(x.abs()));
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let qs: [i8; QK8_0] = std::array::from_fn(|i| (xs[i] * id).round() as i8);
+            q.d.push(f16::from_f32(d).to_f32());
+            q.offset.push(std::array::from_fn(|l| {
+                -128 * qs[4 * l..4 * l + 4].iter().map(|&v| v as i32).sum::<i32>()
+            }));
+            q.qs.push(qs);
+        }
+        q
+    }
+
+    pub fn row(&self, i: usize) -> Q8_0Row<'_> {
+        let r = i * self.blocks..(i + 1) * self.blocks;
+        Q8_0Row {
+            d: &self.d[r.clone()],
+            qs: &self.qs[r.clone()],
+            offset: &self.offset[r],
+        }
+    }
 }
 
 impl Q8_0Matrix {
@@ -48,39 +111,30 @@ impl Q8_0Matrix {
         Ok(Some(Self::from_bytes(&q.data()?, dims[0], dims[1])?))
     }
 
-    /// Raw ggml blocks, row by row.
+    /// Repacks raw ggml blocks (row by row) into interleaved groups.
     pub fn from_bytes(data: &[u8], rows: usize, cols: usize) -> Result<Self> {
-        let n = super::block_count("Q8_0", data, (rows, cols), (QK8_0, BLOCK_BYTES))?;
+        super::block_count("Q8_0", data, (rows, cols), (QK8_0, BLOCK_BYTES))?;
+        let nb = cols / QK8_0;
+        let slots = rows.div_ceil(GROUP_ROWS) * nb * GROUP_ROWS;
         let mut w = Self {
-            d: Vec::with_capacity(n),
-            qs: Vec::with_capacity(n),
+            d: vec![f16::ZERO; slots],
+            qs: vec![0; slots * QK8_0],
             rows,
             cols,
         };
-        for b in data.chunks_exact(BLOCK_BYTES) {
-            w.d.push(f16::from_le_bytes([b[0], b[1]]));
-            w.qs.push(std::array::from_fn(|i| b[2 + i] as i8));
+        for (i, b) in data.chunks_exact(BLOCK_BYTES).enumerate() {
+            let (row, block) = (i / nb, i % nb);
+            let (group, k) = (row / GROUP_ROWS, row % GROUP_ROWS);
+            w.d[(group * nb + block) * GROUP_ROWS + k] = f16::from_le_bytes([b[0], b[1]]);
+            let base = (group * nb + block) * BLOCK_QS + 4 * k;
+            for (l, bytes) in b[2..].chunks_exact(4).enumerate() {
+                let at = base + l * 4 * GROUP_ROWS;
+                for (q, &v) in w.qs[at..at + 4].iter_mut().zip(bytes) {
+                    *q = v as i8;
+                }
+            }
         }
         Ok(w)
-    }
-
-    /// `m` rows of `x` (row-major, `cols` values each) quantized as candle's `BlockQ8_0::from_float` does.
-    pub fn quantize(x: &[f32], m: usize, cols: usize) -> Self {
-        let n = m * cols / QK8_0;
-        let mut q = Self {
-            d: Vec::with_capacity(n),
-            qs: Vec::with_capacity(n),
-            rows: m,
-            cols,
-        };
-        for xs in x.chunks_exact(QK8_0) {
-            let amax = xs.iter().fold(0f32, |a, x| a.max(x.abs()));
-            let d = amax / 127.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            q.d.push(f16::from_f32(d));
-            q.qs.push(std::array::from_fn(|i| (xs[i] * id).round() as i8));
-        }
-        q
     }
 
     pub fn rows(&self) -> usize {
@@ -91,12 +145,11 @@ impl Q8_0Matrix {
         self.cols
     }
 
-    pub fn row(&self, r: usize) -> Q8_0Row<'_> {
-        let per_row = self.cols / QK8_0;
-        let i = r * per_row..(r + 1) * per_row;
-        Q8_0Row {
-            d: &self.d[i.clone()],
-            qs: &self.qs[i],
+    fn group(&self, g: usize) -> Q8_0Group<'_> {
+        let per_group = self.cols / QK8_0 * GROUP_ROWS;
+        Q8_0Group {
+            d: &self.d[g * per_group..(g + 1) * per_group],
+            qs: &self.qs[g * per_group * QK8_0..(g + 1) * per_group * QK8_0],
         }
     }
 
@@ -107,33 +160,12 @@ impl Q8_0Matrix {
 
     /// [`Self::matmul`] with a chosen kernel (tests compare kernels).
     pub fn matmul_with(&self, kernel: Kernel, x: &[f32], m: usize) -> Vec<f32> {
-        let n = self.rows;
-        let xq = Self::quantize(x, m, self.cols);
-        // Tasks own whole weight rows; the output is transposed into place afterwards when there are several
-        // activation rows (one row, every decode step, needs no transpose).
-        let mut by_weight = vec![0f32; n * m];
-        by_weight
-            .par_chunks_mut(WEIGHT_ROWS_PER_TASK * m)
-            .enumerate()
-            .for_each(|(task, dst)| {
-                let first = task * WEIGHT_ROWS_PER_TASK;
-                for (j, o) in dst.chunks_exact_mut(m).enumerate() {
-                    let w = self.row(first + j);
-                    for (i, o) in o.iter_mut().enumerate() {
-                        *o = kernel.dot(w, xq.row(i));
-                    }
-                }
-            });
-        if m == 1 {
-            return by_weight;
-        }
-        let mut out = vec![0f32; m * n];
-        for (j, col) in by_weight.chunks_exact(m).enumerate() {
-            for (i, v) in col.iter().enumerate() {
-                out[i * n + j] = *v;
-            }
-        }
-        out
+        debug_assert_eq!(x.len(), m * self.cols);
+        let xq = Q8_0Rows::quantize(x, m);
+        let rows: Vec<Q8_0Row<'_>> = (0..m).map(|i| xq.row(i)).collect();
+        super::matmul_by_groups(self.rows, m, |g, tile, out| {
+            kernel.group_dots(self.group(g), &rows[tile], out)
+        })
     }
 }
 
@@ -143,15 +175,26 @@ pub enum Kernel {
     Scalar,
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512Vnni,
 }
 
 impl Kernel {
-    /// Every kernel this CPU can run (tests check each).
+    /// Every kernel this CPU can run, slowest first (tests check each).
     pub fn available() -> Vec<Self> {
         let mut all = vec![Kernel::Scalar];
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
             all.push(Kernel::Avx2);
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni")
+            {
+                all.push(Kernel::Avx512Vnni);
+            }
         }
         all
     }
@@ -161,55 +204,133 @@ impl Kernel {
         *KERNEL.get_or_init(|| Self::available().pop().unwrap_or(Kernel::Scalar))
     }
 
-    /// `dot(w, x)`, both rows of the same number of blocks.
-    pub fn dot(self, w: Q8_0Row<'_>, x: Q8_0Row<'_>) -> f32 {
-        assert_eq!(w.d.len(), x.d.len());
+    /// `out[r][k] = dot(row k of w, xs[r])` for every activation row, each as long as `w`'s rows.
+    pub fn group_dots(self, w: Q8_0Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+        let nb = w.blocks();
+        assert!(xs.iter().all(|x| x.d.len() == nb) && out.len() >= xs.len());
         match self {
-            Kernel::Scalar => dot_scalar(w, x),
-            // SAFETY: `available` lists this kernel only on CPUs with AVX2 and FMA; lengths were checked above.
+            Kernel::Scalar => group_scalar(w, xs, out),
+            // SAFETY (both): `available` lists a kernel only on CPUs with its features; lengths were checked above.
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => unsafe { avx2::dot(w, x) },
+            Kernel::Avx2 => unsafe { avx2::group_dots(w, xs, out) },
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Vnni => unsafe { avx512_vnni::group_dots(w, xs, out) },
         }
     }
 }
 
 /// Candle's AVX2 order in scalar code: lane `l` sums the products of bytes `4l..4l + 4`, each block adds
 /// `d_w * d_x * lane` to the lane's running sum (fused), and the lanes are summed pairwise as `hsum_float_8` does.
-pub fn dot_scalar(w: Q8_0Row<'_>, x: Q8_0Row<'_>) -> f32 {
-    let mut acc = [0f32; 8];
-    for i in 0..w.d.len() {
-        let d = w.d[i].to_f32() * x.d[i].to_f32();
-        for (l, a) in acc.iter_mut().enumerate() {
-            let sumi: i32 = (4 * l..4 * l + 4)
-                .map(|b| w.qs[i][b] as i32 * x.qs[i][b] as i32)
-                .sum();
-            *a = d.mul_add(sumi as f32, *a);
+fn group_scalar(w: Q8_0Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+    for (x, o) in xs.iter().zip(out.iter_mut()) {
+        for (k, o) in o.iter_mut().enumerate() {
+            let mut acc = [0f32; QK8_0 / 4];
+            for b in 0..w.blocks() {
+                let d = w.d[b * GROUP_ROWS + k].to_f32() * x.d[b];
+                for (l, a) in acc.iter_mut().enumerate() {
+                    let at = b * BLOCK_QS + l * 4 * GROUP_ROWS + 4 * k;
+                    let sumi: i32 = (0..4)
+                        .map(|t| w.qs[at + t] as i32 * x.qs[b][4 * l + t] as i32)
+                        .sum();
+                    *a = d.mul_add(sumi as f32, *a);
+                }
+            }
+            *o = hsum_lanes(acc);
         }
     }
-    hsum_lanes(acc)
 }
 
+/// Eight float lanes summed in the order of an AVX2 horizontal sum (`_mm256` halves, then pairs, then the two
+/// left).
+fn hsum_lanes(a: [f32; 8]) -> f32 {
+    let r: [f32; 4] = std::array::from_fn(|i| a[i + 4] + a[i]);
+    (r[0] + r[2]) + (r[1] + r[3])
+}
+
+/// Eight lanes (weight rows) per vector: the group in two halves, one activation row at a time (its eight sums
+/// per row take eight registers).
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::Q8_0Row;
+    use super::{Q8_0Group, Q8_0Row, BLOCK_QS, GROUP_ROWS};
     use std::arch::x86_64::*;
 
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot(w: Q8_0Row<'_>, x: Q8_0Row<'_>) -> f32 {
-        let mut acc = _mm256_setzero_ps();
-        for i in 0..w.d.len() {
-            let d = _mm256_set1_ps(w.d[i].to_f32() * x.d[i].to_f32());
-            let bw = _mm256_loadu_si256(w.qs.as_ptr().add(i) as *const __m256i);
-            let bx = _mm256_loadu_si256(x.qs.as_ptr().add(i) as *const __m256i);
-            // Signed bytes times signed bytes: the weight's sign moves onto the activation.
-            let products = _mm256_maddubs_epi16(_mm256_sign_epi8(bw, bw), _mm256_sign_epi8(bx, bw));
-            let lanes = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), products));
-            acc = _mm256_fmadd_ps(d, lanes, acc);
+    const LANES: usize = 8;
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn group_dots(w: Q8_0Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+        for (x, o) in xs.iter().zip(out.iter_mut()) {
+            for half in 0..GROUP_ROWS / LANES {
+                let mut acc = [_mm256_setzero_ps(); 8];
+                for b in 0..w.blocks() {
+                    let at = b * GROUP_ROWS + half * LANES;
+                    let wd =
+                        _mm256_cvtph_ps(_mm_loadu_si128(w.d.as_ptr().add(at) as *const __m128i));
+                    let d = _mm256_mul_ps(wd, _mm256_set1_ps(x.d[b]));
+                    let base = w.qs.as_ptr().add(b * BLOCK_QS + half * 4 * LANES);
+                    let xq = x.qs.as_ptr().add(b) as *const i32;
+                    for (l, a) in acc.iter_mut().enumerate() {
+                        let bw = _mm256_loadu_si256(base.add(l * 4 * GROUP_ROWS) as *const __m256i);
+                        let bx = _mm256_set1_epi32(xq.add(l).read_unaligned());
+                        // Signed bytes times signed bytes: the weight's sign moves onto the activation.
+                        let products = _mm256_maddubs_epi16(
+                            _mm256_sign_epi8(bw, bw),
+                            _mm256_sign_epi8(bx, bw),
+                        );
+                        let sums =
+                            _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), products));
+                        *a = _mm256_fmadd_ps(d, sums, *a);
+                    }
+                }
+                _mm256_storeu_ps(o.as_mut_ptr().add(half * LANES), hsum(&acc));
+            }
         }
-        let r = _mm_add_ps(_mm256_extractf128_ps(acc, 1), _mm256_castps256_ps128(acc));
-        let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-        let r = _mm_add_ss(r, _mm_movehdup_ps(r));
-        _mm_cvtss_f32(r)
+    }
+
+    /// Each lane's eight sums added in `hsum_lanes`'s order.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum(a: &[__m256; 8]) -> __m256 {
+        let r: [__m256; 4] = std::array::from_fn(|i| _mm256_add_ps(a[i + 4], a[i]));
+        _mm256_add_ps(_mm256_add_ps(r[0], r[2]), _mm256_add_ps(r[1], r[3]))
+    }
+}
+
+/// Sixteen lanes per vector: the whole group, one activation row at a time.
+#[cfg(target_arch = "x86_64")]
+mod avx512_vnni {
+    use super::{Q8_0Group, Q8_0Row, BLOCK_QS, GROUP_ROWS};
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn group_dots(w: Q8_0Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+        let flip = _mm512_set1_epi8(-128);
+        for (x, o) in xs.iter().zip(out.iter_mut()) {
+            let mut acc = [_mm512_setzero_ps(); 8];
+            for b in 0..w.blocks() {
+                let wd = _mm512_cvtph_ps(_mm256_loadu_si256(
+                    w.d.as_ptr().add(b * GROUP_ROWS) as *const __m256i
+                ));
+                let d = _mm512_mul_ps(wd, _mm512_set1_ps(x.d[b]));
+                let base = w.qs.as_ptr().add(b * BLOCK_QS);
+                let xq = x.qs.as_ptr().add(b) as *const i32;
+                for (l, a) in acc.iter_mut().enumerate() {
+                    // `dpbusd` takes unsigned weights: w + 128 (the sign bit flipped), and the sum starts at
+                    // -128 * sum(x) to take the offset back out, so the lane holds the exact signed sum.
+                    let bw = _mm512_xor_si512(
+                        _mm512_loadu_si512(base.add(l * 4 * GROUP_ROWS) as *const __m512i),
+                        flip,
+                    );
+                    let bx = _mm512_set1_epi32(xq.add(l).read_unaligned());
+                    let sums = _mm512_dpbusd_epi32(_mm512_set1_epi32(x.offset[b][l]), bw, bx);
+                    *a = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sums), *a);
+                }
+            }
+            let r: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(acc[i + 4], acc[i]));
+            _mm512_storeu_ps(
+                o.as_mut_ptr(),
+                _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3])),
+            );
+        }
     }
 }
 
@@ -240,12 +361,12 @@ mod tests {
 
     #[test]
     fn every_kernel_equals_candle_bit_for_bit() {
-        // 131 weight rows: two full tasks and a partial one. 576 columns, as SmolLM2's head: candle's vec_dot on
+        // 131 weight rows: eight full groups and a partial one. 576 columns, as SmolLM2's head: candle's vec_dot on
         // every x86 CPU (its VNNI repacking takes only multiples of 256).
         let q = QTensor::quantize(&random(131, 576, 3), GgmlDType::Q8_0).unwrap();
         let ours = Q8_0Matrix::from_qtensor(&q).unwrap().unwrap();
         let candle = QMatMul::from_qtensor(q).unwrap();
-        for rows in [1, 2, 5] {
+        for rows in [1, 2, 5, 17] {
             let x = random(rows, 576, rows as u64);
             let (want, xs) = candle_product(&candle, &x);
             for kernel in Kernel::available() {

@@ -1,39 +1,55 @@
-//! Q4_1 weights repacked by field at load time (scales, minimums and nibbles each contiguous per row, the same
-//! bytes as the GGUF's blocks) and multiplied by f32 activations with our own kernels ([`super::dot`]): a tiled
-//! matmul that reads each weight block once per four activation rows.
-use super::dot::Kernel;
+//! Q4_1 weights repacked at load time into groups of [`GROUP_ROWS`] interleaved rows, and multiplied by f32
+//! activations with our own kernels ([`kernels`]): a tiled matmul in which every task owns one group's output
+//! columns and reads each of its weight blocks once per tile of activation rows.
+//!
+//! Within a group, each block of 32 values is [`BLOCK_QS`] bytes: four parts, one per four bytes of a ggml block's
+//! nibbles, each holding those four bytes of every row of the group one after another (row `k` at `4k`), so one
+//! vector load gives every row's next four weight bytes in its own 32-bit lane. Scales and minimums are kept by
+//! block, the group's rows side by side. Rows past the matrix's last (in its last group) are zero and their outputs
+//! are dropped.
+mod kernels;
+
+pub use kernels::Kernel;
+
+use super::GROUP_ROWS;
+
 use super::q8_1::{Q8Row, Q8Rows, QK8_1};
 use crate::error::{ModelError, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape};
 use half::f16;
-use rayon::prelude::*;
 
 /// Values per block.
 pub const QK4_1: usize = 32;
 /// Bytes of one ggml `block_q4_1`: scale `d`, minimum `m` (halves), 16 bytes of nibbles (`value = d * q + m`).
 const BLOCK_BYTES: usize = 20;
-
-/// Weight rows handled by one task, and activation rows kept hot in cache while they are.
-const WEIGHT_ROWS_PER_TASK: usize = 16;
-const ACTIVATION_ROWS_PER_TILE: usize = 64;
+/// Nibble bytes of one block of a group.
+pub const BLOCK_QS: usize = GROUP_ROWS * QK4_1 / 2;
 
 /// A `[rows, cols]` Q4_1 matrix (`cols` a multiple of 32), as `y = x W^T`'s `W`.
 #[derive(Debug)]
 pub struct Q4_1Matrix {
+    /// `[group][block][row of the group]`.
     d: Vec<f16>,
     m: Vec<f16>,
-    qs: Vec<[u8; QK4_1 / 2]>,
+    /// `[group][block][part][row of the group][byte]`.
+    qs: Vec<u8>,
     rows: usize,
     cols: usize,
 }
 
-/// One weight row's blocks, by field.
+/// One group's blocks: `d` and `m` hold `GROUP_ROWS` halves per block, `qs` [`BLOCK_QS`] bytes.
 #[derive(Debug, Clone, Copy)]
-pub struct Q4_1Row<'a> {
+pub struct Q4_1Group<'a> {
     pub d: &'a [f16],
     pub m: &'a [f16],
-    pub qs: &'a [[u8; QK4_1 / 2]],
+    pub qs: &'a [u8],
+}
+
+impl Q4_1Group<'_> {
+    pub fn blocks(&self) -> usize {
+        self.d.len() / GROUP_ROWS
+    }
 }
 
 impl Q4_1Matrix {
@@ -47,24 +63,51 @@ impl Q4_1Matrix {
         Ok(Some(Self::from_bytes(&data, dims[0], dims[1])?))
     }
 
-    /// Repacks raw ggml blocks, row by row.
+    /// Repacks raw ggml blocks (row by row) into interleaved groups.
     pub fn from_bytes(data: &[u8], rows: usize, cols: usize) -> Result<Self> {
-        let n = super::block_count("Q4_1", data, (rows, cols), (QK4_1, BLOCK_BYTES))?;
+        super::block_count("Q4_1", data, (rows, cols), (QK4_1, BLOCK_BYTES))?;
+        let nb = cols / QK4_1;
+        let slots = rows.div_ceil(GROUP_ROWS) * nb * GROUP_ROWS;
         let mut w = Self {
-            d: Vec::with_capacity(n),
-            m: Vec::with_capacity(n),
-            qs: Vec::with_capacity(n),
+            d: vec![f16::ZERO; slots],
+            m: vec![f16::ZERO; slots],
+            qs: vec![0; slots * QK4_1 / 2],
             rows,
             cols,
         };
-        for b in data.chunks_exact(BLOCK_BYTES) {
-            w.d.push(f16::from_le_bytes([b[0], b[1]]));
-            w.m.push(f16::from_le_bytes([b[2], b[3]]));
-            let mut qs = [0u8; QK4_1 / 2];
-            qs.copy_from_slice(&b[4..]);
-            w.qs.push(qs);
+        for (i, b) in data.chunks_exact(BLOCK_BYTES).enumerate() {
+            let (row, block) = (i / nb, i % nb);
+            let (group, k) = (row / GROUP_ROWS, row % GROUP_ROWS);
+            let slot = (group * nb + block) * GROUP_ROWS + k;
+            w.d[slot] = f16::from_le_bytes([b[0], b[1]]);
+            w.m[slot] = f16::from_le_bytes([b[2], b[3]]);
+            let base = (group * nb + block) * BLOCK_QS + 4 * k;
+            for (p, bytes) in b[4..].chunks_exact(4).enumerate() {
+                let at = base + p * 4 * GROUP_ROWS;
+                w.qs[at..at + 4].copy_from_slice(bytes);
+            }
         }
         Ok(w)
+    }
+
+    /// The matrix as ggml's row-by-row blocks again: the bytes [`Self::from_bytes`] took.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let nb = self.cols / QK4_1;
+        let mut out = Vec::with_capacity(self.rows * nb * BLOCK_BYTES);
+        for row in 0..self.rows {
+            let (group, k) = (row / GROUP_ROWS, row % GROUP_ROWS);
+            for block in 0..nb {
+                let slot = (group * nb + block) * GROUP_ROWS + k;
+                out.extend(self.d[slot].to_le_bytes());
+                out.extend(self.m[slot].to_le_bytes());
+                let base = (group * nb + block) * BLOCK_QS + 4 * k;
+                for p in 0..4 {
+                    let at = base + p * 4 * GROUP_ROWS;
+                    out.extend(&self.qs[at..at + 4]);
+                }
+            }
+        }
+        out
     }
 
     /// The rows of several matrices of the same width, one after another: one matmul instead of several over
@@ -76,13 +119,8 @@ impl Q4_1Matrix {
                 "Q4_1 matrices of different widths cannot be stacked".into(),
             ));
         }
-        Ok(Self {
-            d: parts.iter().flat_map(|p| p.d.iter().copied()).collect(),
-            m: parts.iter().flat_map(|p| p.m.iter().copied()).collect(),
-            qs: parts.iter().flat_map(|p| p.qs.iter().copied()).collect(),
-            rows: parts.iter().map(|p| p.rows).sum(),
-            cols,
-        })
+        let bytes: Vec<u8> = parts.iter().flat_map(|p| p.to_bytes()).collect();
+        Self::from_bytes(&bytes, parts.iter().map(|p| p.rows).sum(), cols)
     }
 
     pub fn rows(&self) -> usize {
@@ -93,23 +131,24 @@ impl Q4_1Matrix {
         self.cols
     }
 
-    fn row(&self, r: usize) -> Q4_1Row<'_> {
-        let per_row = self.cols / QK4_1;
-        let i = r * per_row..(r + 1) * per_row;
-        Q4_1Row {
+    fn group(&self, g: usize) -> Q4_1Group<'_> {
+        let per_group = self.cols / QK4_1 * GROUP_ROWS;
+        let i = g * per_group..(g + 1) * per_group;
+        Q4_1Group {
             d: &self.d[i.clone()],
-            m: &self.m[i.clone()],
-            qs: &self.qs[i],
+            m: &self.m[i],
+            qs: &self.qs[g * per_group * QK4_1 / 2..(g + 1) * per_group * QK4_1 / 2],
         }
     }
 
     /// The matrix as f32, row-major: ggml's `dequantize_row_q4_1`.
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = Vec::with_capacity(self.rows * self.cols);
-        for ((d, m), qs) in self.d.iter().zip(&self.m).zip(&self.qs) {
-            let (d, m) = (d.to_f32(), m.to_f32());
-            out.extend(qs.iter().map(|q| (q & 0x0F) as f32 * d + m));
-            out.extend(qs.iter().map(|q| (q >> 4) as f32 * d + m));
+        for b in self.to_bytes().chunks_exact(BLOCK_BYTES) {
+            let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+            let m = f16::from_le_bytes([b[2], b[3]]).to_f32();
+            out.extend(b[4..].iter().map(|q| (q & 0x0F) as f32 * d + m));
+            out.extend(b[4..].iter().map(|q| (q >> 4) as f32 * d + m));
         }
         out
     }
@@ -121,43 +160,13 @@ impl Q4_1Matrix {
 
     /// [`Self::matmul`] with a chosen kernel (tests compare kernels).
     pub fn matmul_with(&self, kernel: Kernel, x: &[f32], m: usize) -> Vec<f32> {
-        let n = self.rows;
         debug_assert_eq!(x.len(), m * self.cols);
         debug_assert_eq!(self.cols % QK8_1, 0);
         let xq = Q8Rows::quantize(x, m);
         let rows: Vec<Q8Row<'_>> = (0..m).map(|i| xq.row(i)).collect();
-        // Each task owns WEIGHT_ROWS_PER_TASK output columns of every row.
-        let mut out = vec![0f32; m * n];
-        let dst = SharedOut(out.as_mut_ptr());
-        let tasks = n.div_ceil(WEIGHT_ROWS_PER_TASK);
-        (0..tasks).into_par_iter().for_each(|task| {
-            let first = task * WEIGHT_ROWS_PER_TASK;
-            let cols = first..(first + WEIGHT_ROWS_PER_TASK).min(n);
-            let mut col = [0f32; ACTIVATION_ROWS_PER_TILE];
-            for tile in (0..m).step_by(ACTIVATION_ROWS_PER_TILE) {
-                let ys = &rows[tile..(tile + ACTIVATION_ROWS_PER_TILE).min(m)];
-                for j in cols.clone() {
-                    kernel.dot_rows(self.row(j), ys, &mut col);
-                    for (i, v) in col[..ys.len()].iter().enumerate() {
-                        // SAFETY: `(tile + i) * n + j` is inside `out` (tile + i < m, j < n), and column `j`
-                        // belongs to this task alone, so no two tasks write the same element.
-                        unsafe { dst.write((tile + i) * n + j, *v) };
-                    }
-                }
-            }
-        });
-        out
-    }
-}
-
-/// The output buffer, shared by tasks that write disjoint columns.
-struct SharedOut(*mut f32);
-// SAFETY: tasks write disjoint elements and the buffer outlives the parallel loop that uses it.
-unsafe impl Sync for SharedOut {}
-
-impl SharedOut {
-    unsafe fn write(&self, i: usize, v: f32) {
-        *self.0.add(i) = v;
+        super::matmul_by_groups(self.rows, m, |g, tile, out| {
+            kernel.group_dots(self.group(g), &rows[tile], out)
+        })
     }
 }
 
@@ -212,17 +221,33 @@ mod tests {
 
     #[test]
     fn every_kernel_equals_candle_bit_for_bit() {
-        // 37 weight rows: two full tasks and a partial one; activation rows around the 4-row and 64-row tiles.
-        // 37 weight rows of 13 blocks: groups of eight blocks and a tail.
+        // 37 weight rows: two full groups and a partial one; activation rows around the 4-row, 8-row and 64-row
+        // tiles.
         let (q, m) = q4_1(37, 416);
         let candle = QMatMul::from_qtensor(q).unwrap();
-        for rows in [1, 3, 4, 5, 67] {
+        for rows in [1, 3, 4, 5, 8, 11, 16, 67] {
             let x = random(rows, 416, rows as u64);
             let (want, xs) = candle_product(&candle, &x);
             for kernel in Kernel::available() {
                 let got = m.matmul_with(kernel, &xs, rows);
                 assert_eq!(got, want, "{kernel:?}, {rows} rows");
             }
+        }
+    }
+
+    #[test]
+    fn repacking_keeps_the_ggml_bytes_and_stacks_rows_exactly() {
+        let (q, a) = q4_1(37, 96);
+        assert_eq!(a.to_bytes(), q.data().unwrap().to_vec());
+        // 37 + 5 rows: the second part's rows start inside the first part's last group.
+        let (_, b) = q4_1(5, 96);
+        let both = Q4_1Matrix::concat_rows(&[&a, &b]).unwrap();
+        assert_eq!((both.rows(), both.cols()), (42, 96));
+        let x: Vec<f32> = random(3, 96, 5).flatten_all().unwrap().to_vec1().unwrap();
+        let (ya, yb, y) = (a.matmul(&x, 3), b.matmul(&x, 3), both.matmul(&x, 3));
+        for r in 0..3 {
+            assert_eq!(y[r * 42..r * 42 + 37], ya[r * 37..(r + 1) * 37]);
+            assert_eq!(y[r * 42 + 37..(r + 1) * 42], yb[r * 5..(r + 1) * 5]);
         }
     }
 

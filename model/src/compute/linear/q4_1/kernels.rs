@@ -1,0 +1,290 @@
+//! The Q4_1 x Q8_1 products of one group of interleaved weight rows ([`super::GROUP_ROWS`]) with a tile of
+//! activation rows: a scalar reference and x86 kernels chosen at run time.
+//!
+//! Candle computes this product with its generic scalar loop, one weight row at a time; it is most of a Q4_1 model's
+//! decode time. Here each vector lane belongs to a different weight row: a lane's four weight bytes meet the same
+//! four activation bytes, broadcast to every lane, so one `dpbusd` (or `maddubs` + `madd`) advances sixteen (eight)
+//! rows' integer sums by four products each with no horizontal reduction, and the block's float terms are formed for
+//! all of them at once. The unpacked weights stay in registers for every activation row of the tile.
+//!
+//! Every kernel gives the reference's result bit for bit: integer sums are exact, and each row's float terms
+//! `sumi * d_w * d_y + m_w * s_y` are formed and added in the reference's order (one lane, block after block, no
+//! fused multiply-add).
+use super::super::q8_1::Q8Row;
+use super::{Q4_1Group, GROUP_ROWS};
+
+/// The best kernel this CPU runs, detected once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    Scalar,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    AvxVnni,
+    #[cfg(target_arch = "x86_64")]
+    Avx512Vnni,
+}
+
+impl Kernel {
+    /// Every kernel this CPU can run, slowest first (tests check each against the reference).
+    pub fn available() -> Vec<Self> {
+        let mut all = vec![Kernel::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
+            all.push(Kernel::Avx2);
+            if is_x86_feature_detected!("avxvnni") {
+                all.push(Kernel::AvxVnni);
+            }
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni")
+            {
+                all.push(Kernel::Avx512Vnni);
+            }
+        }
+        all
+    }
+
+    pub fn detect() -> Self {
+        static KERNEL: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+        *KERNEL.get_or_init(|| Self::available().pop().unwrap_or(Kernel::Scalar))
+    }
+
+    /// `out[r][k] = dot(row k of w, ys[r])` for every activation row, each as long as `w`'s rows.
+    pub fn group_dots(self, w: Q4_1Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+        let nb = w.blocks();
+        assert!(ys.iter().all(|y| y.d.len() == nb) && out.len() >= ys.len());
+        match self {
+            Kernel::Scalar => group_scalar(w, ys, out),
+            // SAFETY (all three): `available` lists a kernel only after checking the CPU has its features;
+            // lengths were checked above.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => unsafe { avx2::group_dots(w, ys, out) },
+            #[cfg(target_arch = "x86_64")]
+            Kernel::AvxVnni => unsafe { avx_vnni::group_dots(w, ys, out) },
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Vnni => unsafe { avx512_vnni::group_dots(w, ys, out) },
+        }
+    }
+}
+
+/// The reference, in ggml's generic `vec_dot_q4_1_q8_1` order of operations (candle's too), on the interleaved
+/// layout: byte `t` of lane `k` in part `p` of a block is byte `4p + t` of row `k`'s ggml nibbles, whose low nibble is
+/// value `4p + t` and high nibble value `4p + t + 16`.
+fn group_scalar(w: Q4_1Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+    for (y, o) in ys.iter().zip(out.iter_mut()) {
+        for (k, o) in o.iter_mut().enumerate() {
+            let mut sum = 0f32;
+            for b in 0..w.blocks() {
+                let mut sumi = 0i32;
+                for p in 0..4 {
+                    for t in 0..4 {
+                        let q = w.qs[b * super::BLOCK_QS + p * 4 * GROUP_ROWS + 4 * k + t];
+                        let j = 4 * p + t;
+                        sumi += (q & 0x0F) as i32 * y.qs[b][j] as i32
+                            + (q >> 4) as i32 * y.qs[b][j + 16] as i32;
+                    }
+                }
+                let (d, m) = (w.d[b * GROUP_ROWS + k], w.m[b * GROUP_ROWS + k]);
+                sum += sumi as f32 * d.to_f32() * y.d[b] + m.to_f32() * y.s[b];
+            }
+            *o = sum;
+        }
+    }
+}
+
+/// Calls `tile::<N>` on activation rows `N` at a time, then once on the rest.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_tiles {
+    ($tile:ident, $n:literal, $w:expr, $ys:expr, $out:expr) => {{
+        let (w, ys, out) = ($w, $ys, $out);
+        let mut r = 0;
+        while r + $n <= ys.len() {
+            $tile::<$n>(w, &ys[r..r + $n], &mut out[r..r + $n]);
+            r += $n;
+        }
+        let (ys, out) = (&ys[r..], &mut out[r..]);
+        match ys.len() {
+            0 => {}
+            1 => $tile::<1>(w, ys, out),
+            2 => $tile::<2>(w, ys, out),
+            3 => $tile::<3>(w, ys, out),
+            4 => $tile::<4>(w, ys, out),
+            5 => $tile::<5>(w, ys, out),
+            6 => $tile::<6>(w, ys, out),
+            _ => $tile::<7>(w, ys, out),
+        }
+    }};
+}
+
+/// Eight lanes (weight rows) per vector: the group in two halves. The kernels differ only in how four byte products
+/// are summed into a 32-bit lane.
+#[cfg(target_arch = "x86_64")]
+macro_rules! x86_256_kernel {
+    ($module:ident, $features:literal, |$acc:ident, $qx:ident, $qy:ident| $products:block) => {
+        mod $module {
+            use super::super::super::q8_1::Q8Row;
+            use super::super::{Q4_1Group, BLOCK_QS, GROUP_ROWS};
+            use std::arch::x86_64::*;
+
+            /// Lanes per vector.
+            const LANES: usize = 8;
+
+            #[target_feature(enable = $features)]
+            pub unsafe fn group_dots(
+                w: Q4_1Group<'_>,
+                ys: &[Q8Row<'_>],
+                out: &mut [[f32; GROUP_ROWS]],
+            ) {
+                // Sixteen vector registers: eight unpacked weight parts, two scale vectors, four accumulators.
+                by_tiles!(tile, 4, w, ys, out)
+            }
+
+            /// `$acc` plus, in each 32-bit lane, the sum of four products of unsigned weight bytes and signed
+            /// activation bytes.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn products($acc: __m256i, $qx: __m256i, $qy: __m256i) -> __m256i {
+                $products
+            }
+
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn tile<const N: usize>(
+                w: Q4_1Group<'_>,
+                ys: &[Q8Row<'_>],
+                out: &mut [[f32; GROUP_ROWS]],
+            ) {
+                let mask = _mm256_set1_epi8(0x0F);
+                for half in 0..GROUP_ROWS / LANES {
+                    let mut acc = [_mm256_setzero_ps(); N];
+                    for b in 0..w.blocks() {
+                        let base = w.qs.as_ptr().add(b * BLOCK_QS + half * 4 * LANES);
+                        let mut q = [_mm256_setzero_si256(); 8];
+                        for p in 0..4 {
+                            let packed =
+                                _mm256_loadu_si256(base.add(p * 4 * GROUP_ROWS) as *const __m256i);
+                            q[p] = _mm256_and_si256(packed, mask);
+                            q[p + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+                        }
+                        let at = b * GROUP_ROWS + half * LANES;
+                        let wd = _mm256_cvtph_ps(_mm_loadu_si128(
+                            w.d.as_ptr().add(at) as *const __m128i
+                        ));
+                        let wm = _mm256_cvtph_ps(_mm_loadu_si128(
+                            w.m.as_ptr().add(at) as *const __m128i
+                        ));
+                        for r in 0..N {
+                            let y = ys[r].qs.as_ptr().add(b) as *const i32;
+                            let mut lo = _mm256_setzero_si256();
+                            let mut hi = _mm256_setzero_si256();
+                            for p in 0..4 {
+                                lo = products(
+                                    lo,
+                                    q[p],
+                                    _mm256_set1_epi32(y.add(p).read_unaligned()),
+                                );
+                                hi = products(
+                                    hi,
+                                    q[p + 4],
+                                    _mm256_set1_epi32(y.add(p + 4).read_unaligned()),
+                                );
+                            }
+                            let sumi = _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
+                            let yd = _mm256_set1_ps(ys[r].d[b]);
+                            let ysum = _mm256_set1_ps(ys[r].s[b]);
+                            let term = _mm256_add_ps(
+                                _mm256_mul_ps(_mm256_mul_ps(sumi, wd), yd),
+                                _mm256_mul_ps(wm, ysum),
+                            );
+                            acc[r] = _mm256_add_ps(acc[r], term);
+                        }
+                    }
+                    for r in 0..N {
+                        _mm256_storeu_ps(out[r].as_mut_ptr().add(half * LANES), acc[r]);
+                    }
+                }
+            }
+        }
+    };
+}
+
+// Nibbles are at most 15, so `maddubs`'s 16-bit pair sums (at most 2 * 15 * 128) never saturate.
+#[cfg(target_arch = "x86_64")]
+x86_256_kernel!(avx2, "avx2,fma,f16c", |acc, qx, qy| {
+    _mm256_add_epi32(
+        acc,
+        _mm256_madd_epi16(_mm256_maddubs_epi16(qx, qy), _mm256_set1_epi16(1)),
+    )
+});
+// VNNI sums four byte products straight into the 32-bit lane: one instruction instead of three.
+#[cfg(target_arch = "x86_64")]
+x86_256_kernel!(avx_vnni, "avx2,fma,f16c,avxvnni", |acc, qx, qy| {
+    _mm256_dpbusd_avx_epi32(acc, qx, qy)
+});
+
+/// Sixteen lanes per vector: the whole group at once.
+#[cfg(target_arch = "x86_64")]
+mod avx512_vnni {
+    use super::super::super::q8_1::Q8Row;
+    use super::super::{Q4_1Group, BLOCK_QS, GROUP_ROWS};
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn group_dots(w: Q4_1Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+        // Thirty-two vector registers: eight unpacked weight parts, two scale vectors, eight accumulators.
+        by_tiles!(tile, 8, w, ys, out)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile<const N: usize>(
+        w: Q4_1Group<'_>,
+        ys: &[Q8Row<'_>],
+        out: &mut [[f32; GROUP_ROWS]],
+    ) {
+        let mask = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for b in 0..w.blocks() {
+            let base = w.qs.as_ptr().add(b * BLOCK_QS);
+            let mut q = [_mm512_setzero_si512(); 8];
+            for p in 0..4 {
+                let packed = _mm512_loadu_si512(base.add(p * 4 * GROUP_ROWS) as *const __m512i);
+                q[p] = _mm512_and_si512(packed, mask);
+                q[p + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
+            }
+            let at = b * GROUP_ROWS;
+            let wd = _mm512_cvtph_ps(_mm256_loadu_si256(w.d.as_ptr().add(at) as *const __m256i));
+            let wm = _mm512_cvtph_ps(_mm256_loadu_si256(w.m.as_ptr().add(at) as *const __m256i));
+            for r in 0..N {
+                let y = ys[r].qs.as_ptr().add(b) as *const i32;
+                // Two chains of four, so one row's sums do not wait on one another.
+                let mut lo = _mm512_setzero_si512();
+                let mut hi = _mm512_setzero_si512();
+                for p in 0..4 {
+                    lo =
+                        _mm512_dpbusd_epi32(lo, q[p], _mm512_set1_epi32(y.add(p).read_unaligned()));
+                    hi = _mm512_dpbusd_epi32(
+                        hi,
+                        q[p + 4],
+                        _mm512_set1_epi32(y.add(p + 4).read_unaligned()),
+                    );
+                }
+                let sumi = _mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi));
+                let yd = _mm512_set1_ps(ys[r].d[b]);
+                let ysum = _mm512_set1_ps(ys[r].s[b]);
+                let term = _mm512_add_ps(
+                    _mm512_mul_ps(_mm512_mul_ps(sumi, wd), yd),
+                    _mm512_mul_ps(wm, ysum),
+                );
+                acc[r] = _mm512_add_ps(acc[r], term);
+            }
+        }
+        for r in 0..N {
+            _mm512_storeu_ps(out[r].as_mut_ptr(), acc[r]);
+        }
+    }
+}
