@@ -3,10 +3,11 @@
 use crate::compute::linear::Linear;
 use crate::compute::placement::{normalise, Placement};
 use crate::compute::pool::on_compute_pool;
+use crate::compute::row_batcher::{BatchStats, RowBatcher};
 use crate::compute::spec::ModelSpec;
 use crate::compute::weights::{HeadTensor, WeightSource};
 use crate::error::{ModelError, Result};
-use candle_core::{DType, IndexOp, Module, Tensor};
+use candle_core::{DType, Module, Tensor};
 use candle_nn::{Embedding, RmsNorm};
 
 pub struct Head {
@@ -19,6 +20,9 @@ pub struct Head {
     embed_scale: Option<f64>,
     /// `cap * tanh(logits / cap)` (Gemma 2).
     final_softcap: Option<f64>,
+    /// Concurrent sessions' last positions through the LM head as one matmul, where its kernel computes rows
+    /// independently (ours, on the CPU); `None` elsewhere.
+    batcher: Option<RowBatcher>,
 }
 
 impl Head {
@@ -52,10 +56,11 @@ impl Head {
         Ok(Self {
             embed: Embedding::new(embed_w.dense(p)?, spec.hidden_size),
             norm: RmsNorm::new(norm_w, spec.rms_eps),
-            lm_head,
             vocab_size: spec.vocab_size,
             embed_scale: o.scale_embeddings.then(|| (spec.hidden_size as f64).sqrt()),
             final_softcap: o.final_softcap,
+            batcher: (p.device.is_cpu() && lm_head.rows_independent()).then(RowBatcher::new),
+            lm_head,
             placement,
         })
     }
@@ -83,17 +88,34 @@ impl Head {
     }
 
     /// f32 logits `[batch, vocab]` of the last position of `hidden` (`[batch, tokens, hidden]`), from wherever the
-    /// last block left it.
+    /// last block left it. Callers on several threads at once share one LM head matmul where it allows.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        on_compute_pool(&self.placement.device, || self.logits_here(hidden))
+        let _span = tracing::trace_span!("head").entered();
+        let (_, tokens, _) = hidden.dims3()?;
+        // The norm is by position: only the last one's is needed.
+        let last = normalise(
+            &hidden.narrow(1, tokens - 1, 1)?.squeeze(1)?,
+            &self.placement,
+        )?;
+        let device = &self.placement.device;
+        match &self.batcher {
+            // From a thread of the compute pool, waiting for another caller's batch could hold a thread that
+            // batch needs.
+            Some(batcher) if rayon::current_thread_index().is_none() => {
+                batcher.run(last, |x| on_compute_pool(device, || self.project(x)))
+            }
+            _ => on_compute_pool(device, || self.project(&last)),
+        }
     }
 
-    fn logits_here(&self, hidden: &Tensor) -> Result<Tensor> {
-        let _span = tracing::trace_span!("head").entered();
-        let hidden = normalise(hidden, &self.placement)?;
-        let (_, tokens, _) = hidden.dims3()?;
-        let x = self.norm.forward(&hidden)?;
-        let x = x.i((.., tokens - 1, ..))?.contiguous()?;
+    /// What the LM head's row batching has done: `None` where it does not batch.
+    pub fn batch_stats(&self) -> Option<BatchStats> {
+        self.batcher.as_ref().map(RowBatcher::stats)
+    }
+
+    /// Final norm and LM head of `[rows, hidden]` last positions.
+    fn project(&self, last: &Tensor) -> Result<Tensor> {
+        let x = self.norm.forward(&last.contiguous()?)?;
         let logits = self.lm_head.forward(&x)?.to_dtype(DType::F32)?;
         Ok(match self.final_softcap {
             Some(cap) => ((logits / cap)?.tanh()? * cap)?,

@@ -1,7 +1,8 @@
 //! The numeric side of a model: what it is ([`spec`]), where its tensors come from ([`source`], [`weights`]), the
 //! blocks a node serves ([`block`], [`span`]) and the thread that batches their sessions' steps ([`scheduler`]), the
-//! client's local parts ([`head`]), where tensors live ([`placement`]), the threads CPU compute runs on ([`pool`])
-//! and how hidden states cross the wire ([`wire`]).
+//! client's local parts ([`head`]) and the one matmul its concurrent sessions' LM heads share ([`row_batcher`]),
+//! where tensors live ([`placement`]), the threads CPU compute runs on ([`pool`]) and how hidden states cross the
+//! wire ([`wire`]).
 pub mod block;
 pub mod block_range;
 pub mod family;
@@ -10,6 +11,7 @@ pub mod head;
 pub mod linear;
 pub mod placement;
 pub mod pool;
+pub mod row_batcher;
 pub mod scheduler;
 pub mod source;
 pub mod span;

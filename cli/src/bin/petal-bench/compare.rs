@@ -540,7 +540,7 @@ fn latency_json(steps: &Steps) -> Value {
 async fn measure_sessions(model: &Model, args: &CompareArgs) -> Result<Value> {
     let spans = [BlockRange::new(0, model.blocks())];
     let (n, tokens, vocab) = (args.sessions, args.session_tokens, model.vocab());
-    let (lone, lone_tps, together, aggregate) = with_swarm(model, &spans, async |client| {
+    let (lone, lone_tps, together, aggregate, head) = with_swarm(model, &spans, async |client| {
         let remote = Arc::new(Generator::remote(
             client,
             &model.source,
@@ -560,7 +560,12 @@ async fn measure_sessions(model: &Model, args: &CompareArgs) -> Result<Value> {
             aggregate.push((n * tokens) as f64 / (last - released).as_secs_f64().max(1e-9));
             runs.into_iter().for_each(|r| together.extend(r.steps));
         }
-        Ok((lone, lone_tps, together, aggregate))
+        // How often the sessions' LM heads shared a matmul in the client.
+        let head = remote
+            .head()
+            .batch_stats()
+            .map(|b| json!({ "batches": b.batches, "calls": b.calls, "largest": b.largest }));
+        Ok((lone, lone_tps, together, aggregate, head))
     })
     .await?;
     let (one, all) = (median(&lone_tps), median(&aggregate));
@@ -584,6 +589,7 @@ async fn measure_sessions(model: &Model, args: &CompareArgs) -> Result<Value> {
         "concurrent": latency_json(&together),
         "runs_lone_tokens_per_second": lone_tps.iter().map(|&r| round(r, 2)).collect::<Vec<_>>(),
         "runs_aggregate_tokens_per_second": aggregate.iter().map(|&r| round(r, 2)).collect::<Vec<_>>(),
+        "head_batching": head,
     }))
 }
 

@@ -40,6 +40,13 @@ impl Linear {
         Self::Candle(QMatMul::Tensor(w))
     }
 
+    /// Whether each output row depends on its input row alone, bit for bit, however many rows are computed at once
+    /// (our kernels quantize activations by row and form each output as one row's dot product; candle's kernels
+    /// may take another path for more rows).
+    pub fn rows_independent(&self) -> bool {
+        matches!(self, Self::Q4_1(_) | Self::Q8_0(_))
+    }
+
     /// `x`: `[..., in]` to `[..., out]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(match self {

@@ -10,6 +10,7 @@
 //! pairwise. Our kernels keep the same eight sums per row, one vector per `l` with a row in each lane. (On CPUs with
 //! AVX-VNNI, candle takes a repacked kernel instead for rows whose length is a multiple of 256, with sums in
 //! another order; SmolLM2's 576 is not.)
+use super::q8_1::{abs_max, round_half_away};
 use super::GROUP_ROWS;
 use crate::error::Result;
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -78,10 +79,9 @@ impl Q8_0Rows {
             offset: Vec::with_capacity(m * blocks),
         };
         for xs in x.chunks_exact(QK8_0) {
-            let amax = xs.iter().fold(0f32, |a, x| a.max(x.abs()));
-            let d = amax / 127.0;
+            let d = abs_max(xs) / 127.0;
             let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            let qs: [i8; QK8_0] = std::array::from_fn(|i| (xs[i] * id).round() as i8);
+            let qs: [i8; QK8_0] = std::array::from_fn(|i| round_half_away(xs[i] * id) as i8);
             q.d.push(f16::from_f32(d).to_f32());
             q.offset.push(std::array::from_fn(|l| {
                 -128 * qs[4 * l..4 * l + 4].iter().map(|&v| v as i32).sum::<i32>()
@@ -295,7 +295,8 @@ mod avx2 {
     }
 }
 
-/// Sixteen lanes per vector: the whole group, one activation row at a time.
+/// Sixteen lanes per vector: the whole group, two activation rows at a time (sixteen of the thirty-two registers
+/// hold their sums; each weight vector is loaded and offset once for both).
 #[cfg(target_arch = "x86_64")]
 mod avx512_vnni {
     use super::{Q8_0Group, Q8_0Row, BLOCK_QS, GROUP_ROWS};
@@ -303,32 +304,60 @@ mod avx512_vnni {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn group_dots(w: Q8_0Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+        let mut pairs = xs.chunks_exact(2);
+        let mut outs = out.chunks_exact_mut(2);
+        for (x, o) in (&mut pairs).zip(&mut outs) {
+            tile::<2>(w, x, o);
+        }
+        if let ([x], Some(o)) = (pairs.remainder(), outs.next()) {
+            tile::<1>(w, &[*x], o);
+        }
+    }
+
+    // `l` picks a weight part, each row's offset and each row's sum alike.
+    #[allow(clippy::needless_range_loop)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile<const N: usize>(
+        w: Q8_0Group<'_>,
+        xs: &[Q8_0Row<'_>],
+        out: &mut [[f32; GROUP_ROWS]],
+    ) {
         let flip = _mm512_set1_epi8(-128);
-        for (x, o) in xs.iter().zip(out.iter_mut()) {
-            let mut acc = [_mm512_setzero_ps(); 8];
-            for b in 0..w.blocks() {
-                let wd = _mm512_cvtph_ps(_mm256_loadu_si256(
-                    w.d.as_ptr().add(b * GROUP_ROWS) as *const __m256i
-                ));
-                let d = _mm512_mul_ps(wd, _mm512_set1_ps(x.d[b]));
-                let base = w.qs.as_ptr().add(b * BLOCK_QS);
-                let xq = x.qs.as_ptr().add(b) as *const i32;
-                for (l, a) in acc.iter_mut().enumerate() {
-                    // `dpbusd` takes unsigned weights: w + 128 (the sign bit flipped), and the sum starts at
-                    // -128 * sum(x) to take the offset back out, so the lane holds the exact signed sum.
-                    let bw = _mm512_xor_si512(
-                        _mm512_loadu_si512(base.add(l * 4 * GROUP_ROWS) as *const __m512i),
-                        flip,
+        let mut acc = [[_mm512_setzero_ps(); 8]; N];
+        for b in 0..w.blocks() {
+            let wd = _mm512_cvtph_ps(_mm256_loadu_si256(
+                w.d.as_ptr().add(b * GROUP_ROWS) as *const __m256i
+            ));
+            let d: [__m512; N] =
+                std::array::from_fn(|r| _mm512_mul_ps(wd, _mm512_set1_ps(xs[r].d[b])));
+            let base = w.qs.as_ptr().add(b * BLOCK_QS);
+            for l in 0..8 {
+                // `dpbusd` takes unsigned weights: w + 128 (the sign bit flipped), and the sum starts at
+                // -128 * sum(x) to take the offset back out, so the lane holds the exact signed sum.
+                let bw = _mm512_xor_si512(
+                    _mm512_loadu_si512(base.add(l * 4 * GROUP_ROWS) as *const __m512i),
+                    flip,
+                );
+                for r in 0..N {
+                    let xq = (xs[r].qs.as_ptr().add(b) as *const i32)
+                        .add(l)
+                        .read_unaligned();
+                    let sums = _mm512_dpbusd_epi32(
+                        _mm512_set1_epi32(xs[r].offset[b][l]),
+                        bw,
+                        _mm512_set1_epi32(xq),
                     );
-                    let bx = _mm512_set1_epi32(xq.add(l).read_unaligned());
-                    let sums = _mm512_dpbusd_epi32(_mm512_set1_epi32(x.offset[b][l]), bw, bx);
-                    *a = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sums), *a);
+                    acc[r][l] = _mm512_fmadd_ps(d[r], _mm512_cvtepi32_ps(sums), acc[r][l]);
                 }
             }
-            let r: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(acc[i + 4], acc[i]));
+        }
+        for r in 0..N {
+            let a = &acc[r];
+            let h: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(a[i + 4], a[i]));
             _mm512_storeu_ps(
-                o.as_mut_ptr(),
-                _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3])),
+                out[r].as_mut_ptr(),
+                _mm512_add_ps(_mm512_add_ps(h[0], h[2]), _mm512_add_ps(h[1], h[3])),
             );
         }
     }

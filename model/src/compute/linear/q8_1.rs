@@ -57,17 +57,102 @@ impl Q8Rows {
     }
 }
 
-/// One block: returns `(d, s)` as the f32 values of their halves.
+/// One block: returns `(d, s)` as the f32 values of their halves. Written so the compiler vectorizes it: the
+/// maximum over eight lanes (maximum is exact in any order), and `round` spelled out from `trunc` (which has an
+/// instruction; `round`, half away from zero, does not, and would be a library call per value).
 fn quantize_block(xs: &[f32], qs: &mut [i8; QK8_1]) -> (f32, f32) {
-    let amax = xs.iter().fold(0f32, |a, x| a.max(x.abs()));
-    let d = amax / 127.0;
+    let d = abs_max(xs) / 127.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     let d = f16::from_f32(d);
-    let mut sum = 0i32;
     for (q, x) in qs.iter_mut().zip(xs) {
-        *q = (x * id).round() as i8;
-        sum += *q as i32;
+        *q = round_half_away(x * id) as i8;
     }
+    let sum: i32 = qs.iter().map(|&q| q as i32).sum();
     let s = f16::from_f32(sum as f32) * d;
     (d.to_f32(), s.to_f32())
+}
+
+/// The largest `|x|` of `xs` (a multiple of 8 long), NaNs skipped, as `fold(0, max)` gives it.
+#[inline(always)]
+pub(super) fn abs_max(xs: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    for c in xs.chunks_exact(8) {
+        for (m, x) in lanes.iter_mut().zip(c) {
+            *m = m.max(x.abs());
+        }
+    }
+    lanes.iter().fold(0f32, |a, &m| a.max(m))
+}
+
+/// `v.round()`: `v - trunc(v)` is exact, so comparing it with one half decides the rounding exactly.
+#[inline(always)]
+pub(super) fn round_half_away(v: f32) -> f32 {
+    let t = v.trunc();
+    if (v - t).abs() >= 0.5 {
+        t + 1f32.copysign(v)
+    } else {
+        t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantizes_as_the_plain_loop_does_ties_and_extremes_included() {
+        let reference = |xs: &[f32]| {
+            let amax = xs.iter().fold(0f32, |a, x| a.max(x.abs()));
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let qs: Vec<i8> = xs.iter().map(|x| (x * id).round() as i8).collect();
+            let sum: i32 = qs.iter().map(|&q| q as i32).sum();
+            let d = f16::from_f32(d);
+            (qs, d.to_f32(), (f16::from_f32(sum as f32) * d).to_f32())
+        };
+        let mut seed = 1u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) as u32
+        };
+        let mut blocks: Vec<Vec<f32>> = vec![
+            vec![0.0; 32],
+            // amax 127: scale 1, so every k + 0.5 is a tie.
+            (0..32)
+                .map(|i| if i == 0 { 127.0 } else { i as f32 * 0.5 - 8.0 })
+                .collect(),
+            (0..32)
+                .map(|i| {
+                    if i == 0 {
+                        -127.0
+                    } else {
+                        0.49999997 * (i % 3) as f32
+                    }
+                })
+                .collect(),
+            (0..32)
+                .map(|i| if i % 2 == 0 { f32::NAN } else { i as f32 })
+                .collect(),
+        ];
+        for _ in 0..2000 {
+            let scale = [1e-6f32, 0.01, 1.0, 300.0][(next() % 4) as usize];
+            blocks.push(
+                (0..32)
+                    .map(|_| (next() as f32 / u32::MAX as f32 - 0.5) * scale)
+                    .collect(),
+            );
+        }
+        for xs in blocks {
+            let mut qs = [0i8; QK8_1];
+            let (d, s) = quantize_block(&xs, &mut qs);
+            let (want_qs, want_d, want_s) = reference(&xs);
+            assert_eq!(
+                (qs.to_vec(), d.to_bits(), s.to_bits()),
+                (want_qs, want_d.to_bits(), want_s.to_bits()),
+                "{xs:?}"
+            );
+        }
+    }
 }
