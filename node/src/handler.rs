@@ -249,6 +249,7 @@ async fn handle(kind: request::Kind, state: &mut StreamState, ctx: &Arc<ServerCo
 
 /// Hidden states for another client's session, from the previous server of its route.
 fn accept_push(push: pb::Push, ctx: &Arc<ServerContext>) -> Reply {
+    tracing::trace!("push received");
     let Some(hidden) = push.hidden else {
         return error(ErrorCode::BadRequest, "push without hidden states");
     };
@@ -396,6 +397,7 @@ async fn run_step(mut step: pb::Step, state: &mut StreamState, ctx: &Arc<ServerC
         let wait = Duration::from_millis(step.push_wait_ms.into()).min(MAX_PUSH_WAIT);
         match ctx.inbox.take(step.session_id, step.position, wait).await {
             Ok(hidden) => {
+                tracing::trace!(position = step.position, "pushed input taken");
                 step.hidden = Some(hidden.clone());
                 pushed = Some(hidden);
             }
@@ -508,6 +510,7 @@ async fn run_step(mut step: pb::Step, state: &mut StreamState, ctx: &Arc<ServerC
         return error(ErrorCode::Internal, "session is busy");
     };
     let tokens = shape[0] * shape[1];
+    tracing::trace!("step queued for the span scheduler");
     let stepped = ctx
         .scheduler
         .step(SessionStep {
@@ -516,6 +519,7 @@ async fn run_step(mut step: pb::Step, state: &mut StreamState, ctx: &Arc<ServerC
             cache,
         })
         .await;
+    tracing::trace!("step answered by the span scheduler");
     let (out, batch) = match stepped {
         Ok(done) => {
             session.reservation.touch();
@@ -534,7 +538,10 @@ async fn run_step(mut step: pb::Step, state: &mut StreamState, ctx: &Arc<ServerC
     match out.and_then(|t| Ok(to_wire(&t, ctx.wire_dtype)?)) {
         Ok(hidden) => {
             match (&step.forward, &ctx.pusher) {
-                (Some(target), Some(pusher)) => pusher.push(target, step.position, hidden.clone()),
+                (Some(target), Some(pusher)) => {
+                    pusher.push(target, step.position, hidden.clone());
+                    tracing::trace!("output queued for the next server");
+                }
                 (Some(_), None) => tracing::debug!("asked to push, but this server has no network"),
                 _ => {}
             }

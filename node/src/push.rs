@@ -233,11 +233,13 @@ async fn run_link(
                 return Err("no stream".to_string());
             };
             let (session_id, position) = (push.session_id, push.position);
+            tracing::trace!("pushing to the next server");
             s.send(&pb::Request {
                 kind: Some(request::Kind::Push(push)),
             })
             .await
             .map_err(|e| e.to_string())?;
+            tracing::trace!("pushed to the next server");
             match s.recv::<pb::Response>().await.map_err(|e| e.to_string())? {
                 Some(pb::Response {
                     kind: Some(response::Kind::Pushed(_)),

@@ -57,24 +57,100 @@ impl Q8Rows {
     }
 }
 
-/// One block: returns `(d, s)` as the f32 values of their halves. Written so the compiler vectorizes it: the
-/// maximum over eight lanes (maximum is exact in any order), and `round` spelled out from `trunc` (which has an
-/// instruction; `round`, half away from zero, does not, and would be a library call per value).
+/// One block: returns `(d, s)` as the f32 values of their halves.
 fn quantize_block(xs: &[f32], qs: &mut [i8; QK8_1]) -> (f32, f32) {
     let d = abs_max(xs) / 127.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let sum = scale_round(xs, id, qs);
     let d = f16::from_f32(d);
-    for (q, x) in qs.iter_mut().zip(xs) {
-        *q = round_half_away(x * id) as i8;
-    }
-    let sum: i32 = qs.iter().map(|&q| q as i32).sum();
     let s = f16::from_f32(sum as f32) * d;
     (d.to_f32(), s.to_f32())
+}
+
+/// `qs[i] = round(xs[i] * id) as i8` (half away from zero; NaN to 0) and the sum of the `qs`.
+fn scale_round(xs: &[f32], id: f32, qs: &mut [i8; QK8_1]) -> i32 {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    if let Ok(xs) = <&[f32; QK8_1]>::try_from(xs) {
+        // SAFETY: the build enables AVX2 (x86-64-v3, see .cargo/config.toml), so every CPU it runs on has it.
+        return unsafe { avx2::scale_round(xs, id, qs) };
+    }
+    let mut sum = 0;
+    for (q, x) in qs.iter_mut().zip(xs) {
+        *q = round_half_away(x * id) as i8;
+        sum += *q as i32;
+    }
+    sum
+}
+
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+mod avx2 {
+    use super::QK8_1;
+    use std::arch::x86_64::*;
+
+    /// [`super::abs_max`] of one block: `max(|x|, m)` keeps `m` when `|x|` is NaN, as `f32::max` does.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn abs_max(xs: &[f32; QK8_1]) -> f32 {
+        let sign = _mm256_set1_ps(-0.0);
+        let mut m = _mm256_setzero_ps();
+        for k in 0..QK8_1 / 8 {
+            m = _mm256_max_ps(
+                _mm256_andnot_ps(sign, _mm256_loadu_ps(xs.as_ptr().add(8 * k))),
+                m,
+            );
+        }
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        _mm_cvtss_f32(m)
+    }
+
+    /// [`super::scale_round`] eight values at a time: `round` from `trunc` as in `round_half_away`, NaNs masked to
+    /// zero (as `as i8` makes them), then narrowed with saturating packs (values are within [-127, 127]).
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn scale_round(xs: &[f32; QK8_1], id: f32, qs: &mut [i8; QK8_1]) -> i32 {
+        let sign = _mm256_set1_ps(-0.0);
+        let (half, one, scale) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0), _mm256_set1_ps(id));
+        let ints: [__m256i; 4] = std::array::from_fn(|k| {
+            let v = _mm256_mul_ps(_mm256_loadu_ps(xs.as_ptr().add(8 * k)), scale);
+            let t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            let away = _mm256_cmp_ps(
+                _mm256_andnot_ps(sign, _mm256_sub_ps(v, t)),
+                half,
+                _CMP_GE_OQ,
+            );
+            let step = _mm256_and_ps(away, _mm256_or_ps(_mm256_and_ps(v, sign), one));
+            let rounded = _mm256_and_ps(_mm256_add_ps(t, step), _mm256_cmp_ps(v, v, _CMP_ORD_Q));
+            _mm256_cvttps_epi32(rounded)
+        });
+        // Packs work within 128-bit halves: bytes come out in the order 0-3, 8-11, 16-19, 24-27, 4-7, ...
+        let bytes = _mm256_packs_epi16(
+            _mm256_packs_epi32(ints[0], ints[1]),
+            _mm256_packs_epi32(ints[2], ints[3]),
+        );
+        let ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(qs.as_mut_ptr() as *mut __m256i, ordered);
+        let total = _mm256_add_epi32(
+            _mm256_add_epi32(ints[0], ints[1]),
+            _mm256_add_epi32(ints[2], ints[3]),
+        );
+        let half_sum = _mm_add_epi32(
+            _mm256_castsi256_si128(total),
+            _mm256_extracti128_si256(total, 1),
+        );
+        let s = _mm_add_epi32(half_sum, _mm_shuffle_epi32(half_sum, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        _mm_cvtsi128_si32(s)
+    }
 }
 
 /// The largest `|x|` of `xs` (a multiple of 8 long), NaNs skipped, as `fold(0, max)` gives it.
 #[inline(always)]
 pub(super) fn abs_max(xs: &[f32]) -> f32 {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    if let Ok(xs) = <&[f32; QK8_1]>::try_from(xs) {
+        // SAFETY: the build enables AVX2 (see `scale_round`).
+        return unsafe { avx2::abs_max(xs) };
+    }
     let mut lanes = [0f32; 8];
     for c in xs.chunks_exact(8) {
         for (m, x) in lanes.iter_mut().zip(c) {
