@@ -94,6 +94,39 @@ pub(crate) fn cpu_matmul(
     ))
 }
 
+/// The x86 instruction sets our kernels choose between, detected once.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct CpuFeatures {
+    /// AVX2 with FMA and F16C: every kernel but the scalar ones needs these.
+    pub avx2: bool,
+    /// AVX-VNNI (`dpbusd` on 256-bit vectors), on top of `avx2`.
+    pub avx_vnni: bool,
+    /// AVX-512 F, BW and VNNI, on top of `avx2`.
+    pub avx512_vnni: bool,
+}
+
+pub(crate) fn cpu_features() -> CpuFeatures {
+    static FEATURES: std::sync::OnceLock<CpuFeatures> = std::sync::OnceLock::new();
+    *FEATURES.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c");
+            CpuFeatures {
+                avx2,
+                avx_vnni: avx2 && is_x86_feature_detected!("avxvnni"),
+                avx512_vnni: avx2
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vnni"),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        CpuFeatures::default()
+    })
+}
+
 /// Weight rows our kernels interleave (one 32-bit lane each of a 512-bit vector), and so the output columns one
 /// task computes.
 pub const GROUP_ROWS: usize = 16;

@@ -184,24 +184,31 @@ impl Kernel {
     pub fn available() -> Vec<Self> {
         let mut all = vec![Kernel::Scalar];
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
         {
-            all.push(Kernel::Avx2);
-            if is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vnni")
-            {
+            let cpu = super::cpu_features();
+            if cpu.avx2 {
+                all.push(Kernel::Avx2);
+            }
+            if cpu.avx512_vnni {
                 all.push(Kernel::Avx512Vnni);
             }
         }
         all
     }
 
+    /// The fastest of [`Self::available`].
     pub fn detect() -> Self {
-        static KERNEL: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
-        *KERNEL.get_or_init(|| Self::available().pop().unwrap_or(Kernel::Scalar))
+        #[cfg(target_arch = "x86_64")]
+        {
+            let cpu = super::cpu_features();
+            if cpu.avx512_vnni {
+                return Kernel::Avx512Vnni;
+            }
+            if cpu.avx2 {
+                return Kernel::Avx2;
+            }
+        }
+        Kernel::Scalar
     }
 
     /// `out[r][k] = dot(row k of w, xs[r])` for every activation row, each as long as `w`'s rows.
