@@ -22,36 +22,21 @@ fn concurrent_callers_get_the_logits_each_gets_alone() {
                 .unwrap()
         })
         .collect();
-    let alone: Vec<Vec<f32>> = hidden
-        .iter()
-        .map(|h| {
-            head.logits(h)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap()
-        })
-        .collect();
+    let logits = |h: &Tensor| -> Vec<f32> {
+        let l = head.logits(h).unwrap();
+        l.flatten_all().unwrap().to_vec1().unwrap()
+    };
+    let alone: Vec<Vec<f32>> = hidden.iter().map(logits).collect();
     let before = head.batch_stats().unwrap();
     let barrier = Barrier::new(hidden.len());
     std::thread::scope(|s| {
         let threads: Vec<_> = hidden
             .iter()
             .map(|h| {
-                let (head, barrier) = (&head, &barrier);
+                let (logits, barrier) = (&logits, &barrier);
                 s.spawn(move || {
                     barrier.wait();
-                    (0..20)
-                        .map(|_| {
-                            head.logits(h)
-                                .unwrap()
-                                .flatten_all()
-                                .unwrap()
-                                .to_vec1()
-                                .unwrap()
-                        })
-                        .collect::<Vec<Vec<f32>>>()
+                    (0..20).map(|_| logits(h)).collect::<Vec<Vec<f32>>>()
                 })
             })
             .collect();
