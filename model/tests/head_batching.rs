@@ -15,6 +15,9 @@ fn concurrent_callers_get_the_logits_each_gets_alone() {
         .unwrap();
     // SmolLM2's tied head is Q8_0: one of our kernels, so its rows are batched.
     assert!(head.batch_stats().is_some());
+    // No position at all is a shape error, not a panic.
+    let empty = Tensor::zeros((1, 0, 576), DType::F32, &Device::Cpu).unwrap();
+    assert!(head.logits(&empty).is_err());
     let hidden: Vec<Tensor> = (0..8)
         .map(|i| {
             let tokens = 1 + i % 3;

@@ -92,6 +92,12 @@ impl Head {
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         let _span = tracing::trace_span!("head").entered();
         let (_, tokens, _) = hidden.dims3()?;
+        if tokens == 0 {
+            return Err(ModelError::HiddenShape {
+                actual: hidden.dims().to_vec(),
+                hidden_size: self.embed.hidden_size(),
+            });
+        }
         // The norm is by position: only the last one's is needed.
         let last = normalise(
             &hidden.narrow(1, tokens - 1, 1)?.squeeze(1)?,

@@ -1,5 +1,6 @@
 //! Matmul weights (`y = x W^T`): candle's `QMatMul`, or our own CPU kernels for the formats where candle's are
-//! slow (Q4_1: candle's dot product is its generic scalar loop) or run on a second thread pool (Q8_0).
+//! slow (Q4_1: its generic scalar loop; Q8_0: a weight row at a time, on a second thread pool): weights repacked
+//! into groups of [`GROUP_ROWS`] interleaved rows, one task per group ([`matmul_by_groups`]).
 pub mod q4_1;
 pub mod q8_0;
 pub mod q8_1;
