@@ -311,13 +311,13 @@ mod avx512_vnni {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn group_dots(w: Q8_0Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
-        let mut pairs = xs.chunks_exact(2);
-        let mut outs = out.chunks_exact_mut(2);
-        for (x, o) in (&mut pairs).zip(&mut outs) {
-            tile::<2>(w, x, o);
+        let pairs = xs.len() / 2;
+        for i in (0..2 * pairs).step_by(2) {
+            tile::<2>(w, &xs[i..i + 2], &mut out[i..i + 2]);
         }
-        if let ([x], Some(o)) = (pairs.remainder(), outs.next()) {
-            tile::<1>(w, &[*x], o);
+        if xs.len() % 2 == 1 {
+            let last = xs.len() - 1;
+            tile::<1>(w, &xs[last..], &mut out[last..]);
         }
     }
 
