@@ -131,6 +131,17 @@ pub(crate) fn cpu_features() -> CpuFeatures {
 /// Weight rows our kernels interleave (one 32-bit lane each of a 512-bit vector), and so the output columns one
 /// task computes.
 pub const GROUP_ROWS: usize = 16;
+/// Bytes of one part of an interleaved block: four consecutive weight bytes of each row of the group, row `k` at
+/// `4k`, so one 512-bit load gives every row's next four bytes in its own lane.
+pub const PART_BYTES: usize = 4 * GROUP_ROWS;
+
+/// Where block `block` of row `row` lives in a matrix of `blocks` blocks per row, interleaved in groups: the index
+/// of its group's block (`group * blocks + block`, by which scales and parts are laid out) and the row's lane `k`
+/// in the group (its scale at `GROUP_ROWS * index + k`, its bytes at `4k` in each part).
+pub(crate) fn interleaved(row: usize, block: usize, blocks: usize) -> (usize, usize) {
+    ((row / GROUP_ROWS) * blocks + block, row % GROUP_ROWS)
+}
+
 /// Activation rows a task walks its group's weights over at a time, kept hot in cache while it does.
 const ACTIVATION_ROWS_PER_TILE: usize = 64;
 

@@ -11,7 +11,7 @@
 //! AVX-VNNI, candle takes a repacked kernel instead for rows whose length is a multiple of 256, with sums in
 //! another order; SmolLM2's 576 is not.)
 use super::q8_1::{abs_max, round_half_away};
-use super::GROUP_ROWS;
+use super::{interleaved, GROUP_ROWS, PART_BYTES};
 use crate::error::Result;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape};
@@ -123,13 +123,11 @@ impl Q8_0Matrix {
             cols,
         };
         for (i, b) in data.chunks_exact(BLOCK_BYTES).enumerate() {
-            let (row, block) = (i / nb, i % nb);
-            let (group, k) = (row / GROUP_ROWS, row % GROUP_ROWS);
-            w.d[(group * nb + block) * GROUP_ROWS + k] = f16::from_le_bytes([b[0], b[1]]);
-            let base = (group * nb + block) * BLOCK_QS + 4 * k;
+            let (at, k) = interleaved(i / nb, i % nb, nb);
+            w.d[at * GROUP_ROWS + k] = f16::from_le_bytes([b[0], b[1]]);
             for (l, bytes) in b[2..].chunks_exact(4).enumerate() {
-                let at = base + l * 4 * GROUP_ROWS;
-                for (q, &v) in w.qs[at..at + 4].iter_mut().zip(bytes) {
+                let q0 = at * BLOCK_QS + l * PART_BYTES + 4 * k;
+                for (q, &v) in w.qs[q0..q0 + 4].iter_mut().zip(bytes) {
                     *q = v as i8;
                 }
             }
@@ -235,7 +233,7 @@ fn group_scalar(w: Q8_0Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32; GROUP_ROW
             for b in 0..w.blocks() {
                 let d = w.d[b * GROUP_ROWS + k].to_f32() * x.d[b];
                 for (l, a) in acc.iter_mut().enumerate() {
-                    let at = b * BLOCK_QS + l * 4 * GROUP_ROWS + 4 * k;
+                    let at = b * BLOCK_QS + l * PART_BYTES + 4 * k;
                     let sumi: i32 = (0..4)
                         .map(|t| w.qs[at + t] as i32 * x.qs[b][4 * l + t] as i32)
                         .sum();
@@ -258,7 +256,7 @@ fn hsum_lanes(a: [f32; 8]) -> f32 {
 /// per row take eight registers).
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{Q8_0Group, Q8_0Row, BLOCK_QS, GROUP_ROWS};
+    use super::{Q8_0Group, Q8_0Row, BLOCK_QS, GROUP_ROWS, PART_BYTES};
     use std::arch::x86_64::*;
 
     const LANES: usize = 8;
@@ -276,7 +274,7 @@ mod avx2 {
                     let base = w.qs.as_ptr().add(b * BLOCK_QS + half * 4 * LANES);
                     let xq = x.qs.as_ptr().add(b) as *const i32;
                     for (l, a) in acc.iter_mut().enumerate() {
-                        let bw = _mm256_loadu_si256(base.add(l * 4 * GROUP_ROWS) as *const __m256i);
+                        let bw = _mm256_loadu_si256(base.add(l * PART_BYTES) as *const __m256i);
                         let bx = _mm256_set1_epi32(xq.add(l).read_unaligned());
                         // Signed bytes times signed bytes: the weight's sign moves onto the activation.
                         let products = _mm256_maddubs_epi16(
@@ -306,7 +304,7 @@ mod avx2 {
 /// hold their sums; each weight vector is loaded and offset once for both).
 #[cfg(target_arch = "x86_64")]
 mod avx512_vnni {
-    use super::{Q8_0Group, Q8_0Row, BLOCK_QS, GROUP_ROWS};
+    use super::{Q8_0Group, Q8_0Row, BLOCK_QS, GROUP_ROWS, PART_BYTES};
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
@@ -343,7 +341,7 @@ mod avx512_vnni {
                 // `dpbusd` takes unsigned weights: w + 128 (the sign bit flipped), and the sum starts at
                 // -128 * sum(x) to take the offset back out, so the lane holds the exact signed sum.
                 let bw = _mm512_xor_si512(
-                    _mm512_loadu_si512(base.add(l * 4 * GROUP_ROWS) as *const __m512i),
+                    _mm512_loadu_si512(base.add(l * PART_BYTES) as *const __m512i),
                     flip,
                 );
                 for r in 0..N {

@@ -11,7 +11,7 @@
 //! `sumi * d_w * d_y + m_w * s_y` are formed and added in the reference's order (one lane, block after block, no
 //! fused multiply-add).
 use super::super::q8_1::Q8Row;
-use super::{Q4_1Group, GROUP_ROWS};
+use super::{Q4_1Group, BLOCK_QS, GROUP_ROWS, PART_BYTES};
 
 /// The best kernel this CPU runs, detected once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,7 +92,7 @@ fn group_scalar(w: Q4_1Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]
                 let mut sumi = 0i32;
                 for p in 0..4 {
                     for t in 0..4 {
-                        let q = w.qs[b * super::BLOCK_QS + p * 4 * GROUP_ROWS + 4 * k + t];
+                        let q = w.qs[b * BLOCK_QS + p * PART_BYTES + 4 * k + t];
                         let j = 4 * p + t;
                         sumi += (q & 0x0F) as i32 * y.qs[b][j] as i32
                             + (q >> 4) as i32 * y.qs[b][j + 16] as i32;
@@ -137,7 +137,7 @@ macro_rules! x86_256_kernel {
     ($module:ident, $features:literal, |$acc:ident, $qx:ident, $qy:ident| $products:block) => {
         mod $module {
             use super::super::super::q8_1::Q8Row;
-            use super::super::{Q4_1Group, BLOCK_QS, GROUP_ROWS};
+            use super::super::{Q4_1Group, BLOCK_QS, GROUP_ROWS, PART_BYTES};
             use std::arch::x86_64::*;
 
             /// Lanes per vector.
@@ -176,7 +176,7 @@ macro_rules! x86_256_kernel {
                         let mut q = [_mm256_setzero_si256(); 8];
                         for p in 0..4 {
                             let packed =
-                                _mm256_loadu_si256(base.add(p * 4 * GROUP_ROWS) as *const __m256i);
+                                _mm256_loadu_si256(base.add(p * PART_BYTES) as *const __m256i);
                             q[p] = _mm256_and_si256(packed, mask);
                             q[p + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
                         }
@@ -240,7 +240,7 @@ x86_256_kernel!(avx_vnni, "avx2,fma,f16c,avxvnni", |acc, qx, qy| {
 #[cfg(target_arch = "x86_64")]
 mod avx512_vnni {
     use super::super::super::q8_1::Q8Row;
-    use super::super::{Q4_1Group, BLOCK_QS, GROUP_ROWS};
+    use super::super::{Q4_1Group, BLOCK_QS, GROUP_ROWS, PART_BYTES};
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
@@ -262,7 +262,7 @@ mod avx512_vnni {
             let base = w.qs.as_ptr().add(b * BLOCK_QS);
             let mut q = [_mm512_setzero_si512(); 8];
             for p in 0..4 {
-                let packed = _mm512_loadu_si512(base.add(p * 4 * GROUP_ROWS) as *const __m512i);
+                let packed = _mm512_loadu_si512(base.add(p * PART_BYTES) as *const __m512i);
                 q[p] = _mm512_and_si512(packed, mask);
                 q[p + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
             }

@@ -11,7 +11,7 @@ mod kernels;
 
 pub use kernels::Kernel;
 
-use super::GROUP_ROWS;
+use super::{interleaved, GROUP_ROWS, PART_BYTES};
 
 use super::q8_1::{Q8Row, Q8Rows, QK8_1};
 use crate::error::{ModelError, Result};
@@ -76,15 +76,12 @@ impl Q4_1Matrix {
             cols,
         };
         for (i, b) in data.chunks_exact(BLOCK_BYTES).enumerate() {
-            let (row, block) = (i / nb, i % nb);
-            let (group, k) = (row / GROUP_ROWS, row % GROUP_ROWS);
-            let slot = (group * nb + block) * GROUP_ROWS + k;
-            w.d[slot] = f16::from_le_bytes([b[0], b[1]]);
-            w.m[slot] = f16::from_le_bytes([b[2], b[3]]);
-            let base = (group * nb + block) * BLOCK_QS + 4 * k;
+            let (at, k) = interleaved(i / nb, i % nb, nb);
+            w.d[at * GROUP_ROWS + k] = f16::from_le_bytes([b[0], b[1]]);
+            w.m[at * GROUP_ROWS + k] = f16::from_le_bytes([b[2], b[3]]);
             for (p, bytes) in b[4..].chunks_exact(4).enumerate() {
-                let at = base + p * 4 * GROUP_ROWS;
-                w.qs[at..at + 4].copy_from_slice(bytes);
+                let q = at * BLOCK_QS + p * PART_BYTES + 4 * k;
+                w.qs[q..q + 4].copy_from_slice(bytes);
             }
         }
         Ok(w)
@@ -95,15 +92,13 @@ impl Q4_1Matrix {
         let nb = self.cols / QK4_1;
         let mut out = Vec::with_capacity(self.rows * nb * BLOCK_BYTES);
         for row in 0..self.rows {
-            let (group, k) = (row / GROUP_ROWS, row % GROUP_ROWS);
             for block in 0..nb {
-                let slot = (group * nb + block) * GROUP_ROWS + k;
-                out.extend(self.d[slot].to_le_bytes());
-                out.extend(self.m[slot].to_le_bytes());
-                let base = (group * nb + block) * BLOCK_QS + 4 * k;
+                let (at, k) = interleaved(row, block, nb);
+                out.extend(self.d[at * GROUP_ROWS + k].to_le_bytes());
+                out.extend(self.m[at * GROUP_ROWS + k].to_le_bytes());
                 for p in 0..4 {
-                    let at = base + p * 4 * GROUP_ROWS;
-                    out.extend(&self.qs[at..at + 4]);
+                    let q = at * BLOCK_QS + p * PART_BYTES + 4 * k;
+                    out.extend(&self.qs[q..q + 4]);
                 }
             }
         }
