@@ -89,6 +89,22 @@ fn kill_9_mid_generation_ten_times() {
         .ignore_eos()
         .run_json();
 
+    // The kill points are fractions of an undisturbed routed generation timed here, from its session opening to
+    // its end: fixed delays stopped landing mid-generation once decoding got faster than they assumed.
+    let (mut client, _) = swarm
+        .generate(&model, prompt)
+        .max_new_tokens(64)
+        .ignore_eos()
+        .spawn_routed("undisturbed");
+    let opened = std::time::Instant::now();
+    let (_, tokens) = spawned_json(&mut client, Duration::from_secs(120));
+    assert_eq!(tokens, local.tokens, "undisturbed run\n{}", client.report());
+    let generation = opened.elapsed();
+    eprintln!(
+        "undisturbed generation: {} ms after the session opened",
+        generation.as_millis()
+    );
+
     let mut failover_ms = vec![];
     for run in 0..RUNS {
         let (mut client, hops) = swarm
@@ -99,7 +115,9 @@ fn kill_9_mid_generation_ten_times() {
         assert_eq!(hops.len(), 2, "unexpected route {hops:?}");
         // Kill points spread over the generation, alternating between the first and the last hop.
         let victim_name = hops[run % 2].clone();
-        std::thread::sleep(Duration::from_millis(100 + 150 * run as u64));
+        // Spread over the first 90% of the undisturbed generation, one point per run.
+        let delay = generation.mul_f64(0.9 * (run as f64 + 0.5) / RUNS as f64);
+        std::thread::sleep(delay);
         let blocks = swarm.kill(&victim_name);
 
         let (_, tokens) = spawned_json(&mut client, Duration::from_secs(120));
@@ -124,7 +142,7 @@ fn kill_9_mid_generation_ten_times() {
             .collect::<Vec<_>>();
         eprintln!(
             "run {run}: killed {victim_name} [{blocks}] {} ms after the session opened; failovers took {elapsed:?} ms",
-            100 + 150 * run
+            delay.as_millis()
         );
         failover_ms.extend(elapsed);
         // Bring the span back to two replicas for the next run.
