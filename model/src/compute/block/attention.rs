@@ -16,9 +16,19 @@ pub(crate) const QUERY_CHUNK: usize = 256;
 
 /// Queries, keys and values of a step's rows, before RoPE: `[1, rows, heads * head_dim]` and `[1, rows, kv_dim]`.
 pub(crate) struct Projected {
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+}
+
+/// One session's rows of a step's projections: `batch x tokens` rows from `start`, at positions `position..position
+/// + tokens`, with its cache.
+pub(crate) struct SessionRows<'a> {
+    pub start: usize,
+    pub batch: usize,
+    pub tokens: usize,
+    pub position: usize,
+    pub cache: &'a mut KvCache,
 }
 
 #[derive(Debug, Clone)]
@@ -58,6 +68,28 @@ impl Attention {
             v = v.broadcast_add(bv)?;
         }
         Ok(Projected { q, k, v })
+    }
+
+    /// Every session's attention (`sessions` in the order of their rows): `[1, rows, heads * head_dim]`, to go
+    /// through [`Attention::output`]. On the CPU with f16 caches, all sessions at once
+    /// ([`super::host_attention`]); otherwise one after another.
+    pub(crate) fn attend_all(
+        &self,
+        p: &Projected,
+        sessions: &mut [SessionRows<'_>],
+    ) -> Result<Tensor> {
+        if let Some(y) = super::host_attention::attend(self, p, sessions)? {
+            return Ok(y);
+        }
+        let mut attended = sessions
+            .iter_mut()
+            .map(|s| self.attend(p, (s.start, s.batch, s.tokens), s.position, s.cache))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(if attended.len() == 1 {
+            attended.remove(0)
+        } else {
+            Tensor::cat(&attended, 1)?
+        })
     }
 
     /// One session's attention: `rows` are its `batch x tokens` rows of `p` (`start` the first), at positions

@@ -3,9 +3,14 @@
 //! The buffers are `[batch, kv_heads, capacity, head_dim]`; a step writes its new positions into them and nothing
 //! older is copied. Capacity grows geometrically (so a long conversation copies its past O(log n) times, not once
 //! per step) and never beyond the session's `max_length`, the positions its reservation paid for.
+//!
+//! An f16 cache on the CPU keeps its buffers as plain vectors rather than candle tensors: the batched attention
+//! ([`super::host_attention`]) writes every session's new keys and values into them and reads them back within one
+//! parallel region, with no candle op (and no allocation) per session. Every other cache holds candle tensors.
 use crate::compute::placement::{normalise, Placement};
 use crate::error::{ModelError, Result};
-use candle_core::Tensor;
+use candle_core::{DType, Device, Tensor};
+use half::f16;
 
 /// The smallest capacity allocated, in positions: short sessions grow at most a few times.
 const MIN_CAPACITY: usize = 64;
@@ -14,19 +19,56 @@ const MIN_CAPACITY: usize = 64;
 pub struct KvCache {
     placement: Placement,
     /// Keys and values; positions `0..len` are valid, the rest is room to grow.
-    buffers: Option<(Tensor, Tensor)>,
+    buffers: Option<Buffers>,
+    /// Whether buffers are [`HostKv`] (an f16 cache on the CPU) or tensors.
+    host: bool,
     len: usize,
     max_len: usize,
+}
+
+#[derive(Debug)]
+enum Buffers {
+    Tensors(Tensor, Tensor),
+    Host(HostKv),
+}
+
+/// f16 keys and values in host memory, each `[batch, kv_heads, capacity, head_dim]` row-major.
+#[derive(Debug)]
+pub(crate) struct HostKv {
+    pub k: Vec<f16>,
+    pub v: Vec<f16>,
+    /// `(batch, kv_heads, capacity, head_dim)`.
+    pub dims: (usize, usize, usize, usize),
+}
+
+impl HostKv {
+    /// Where position `t` of head `h` of sequence `b` starts.
+    pub fn at(&self, b: usize, h: usize, t: usize) -> usize {
+        let (_, heads, capacity, d) = self.dims;
+        ((b * heads + h) * capacity + t) * d
+    }
 }
 
 impl KvCache {
     /// An empty cache that will hold at most `max_len` positions.
     pub fn new(placement: Placement, max_len: usize) -> Self {
+        let host = matches!(placement.device, Device::Cpu) && placement.dtype == DType::F16;
         Self {
             placement,
             buffers: None,
+            host,
             len: 0,
             max_len,
+        }
+    }
+
+    /// An empty cache whose buffers are candle tensors whatever its placement: the path every cache took before
+    /// host buffers, kept as the reference the batched attention is tested against.
+    #[cfg(test)]
+    pub(crate) fn with_tensor_buffers(placement: Placement, max_len: usize) -> Self {
+        Self {
+            host: false,
+            ..Self::new(placement, max_len)
         }
     }
 
@@ -45,15 +87,27 @@ impl KvCache {
 
     /// Positions the buffers can hold before they grow.
     pub fn capacity(&self) -> usize {
-        self.buffers.as_ref().map(|(k, _)| k.dims()[2]).unwrap_or(0)
+        match &self.buffers {
+            Some(Buffers::Tensors(k, _)) => k.dims()[2],
+            Some(Buffers::Host(h)) => h.dims.2,
+            None => 0,
+        }
     }
 
     /// Bytes of device memory the cache holds (its capacity, not just the positions used).
     pub fn bytes(&self) -> usize {
-        self.buffers
-            .as_ref()
-            .map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
-            .unwrap_or(0)
+        match &self.buffers {
+            Some(Buffers::Tensors(k, v)) => {
+                (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()
+            }
+            Some(Buffers::Host(h)) => (h.k.len() + h.v.len()) * std::mem::size_of::<f16>(),
+            None => 0,
+        }
+    }
+
+    /// Whether the buffers are host vectors that [`Self::host_step`] hands out.
+    pub(crate) fn is_host(&self) -> bool {
+        self.host
     }
 
     /// Writes new keys/values (`[batch, kv_heads, tokens, head_dim]`) after those held. They are normalised to the
@@ -65,10 +119,50 @@ impl KvCache {
         if v.dims() != k.dims() {
             return Err(shape_error("values", k.dims(), v.dims()));
         }
-        if let Some((held, _)) = &self.buffers {
-            let held = held.dims();
+        let len = self.len;
+        match self.host_step((b, heads, dim), tokens)? {
+            Some(host) => {
+                let (kv, vv) = (
+                    k.flatten_all()?.to_vec1::<f16>()?,
+                    v.flatten_all()?.to_vec1::<f16>()?,
+                );
+                for (i, (kr, vr)) in kv
+                    .chunks_exact(tokens * dim)
+                    .zip(vv.chunks_exact(tokens * dim))
+                    .enumerate()
+                {
+                    let at = host.at(i / heads, i % heads, len);
+                    host.k[at..at + kr.len()].copy_from_slice(kr);
+                    host.v[at..at + vr.len()].copy_from_slice(vr);
+                }
+            }
+            None => {
+                if let Some(Buffers::Tensors(kb, vb)) = &self.buffers {
+                    kb.slice_set(&k, 2, len)?;
+                    vb.slice_set(&v, 2, len)?;
+                }
+            }
+        }
+        self.len += tokens;
+        Ok(())
+    }
+
+    /// For a host cache, room for `tokens` more positions of `(batch, kv_heads, head_dim)` rows, and the buffers to
+    /// write them into at [`Self::len`]; the caller writes them, then calls [`Self::advance`]. `None` for a cache of
+    /// tensors (after the same checks and reservation).
+    pub(crate) fn host_step(
+        &mut self,
+        (b, heads, dim): (usize, usize, usize),
+        tokens: usize,
+    ) -> Result<Option<&mut HostKv>> {
+        let held = match &self.buffers {
+            Some(Buffers::Tensors(k, _)) => Some(k.dims().to_vec()),
+            Some(Buffers::Host(h)) => Some(vec![h.dims.0, h.dims.1, h.dims.2, h.dims.3]),
+            None => None,
+        };
+        if let Some(held) = held {
             if (held[0], held[1], held[3]) != (b, heads, dim) {
-                return Err(shape_error("keys", held, k.dims()));
+                return Err(shape_error("keys", &held, &[b, heads, tokens, dim]));
             }
         }
         if self.len + tokens > self.max_len {
@@ -79,22 +173,46 @@ impl KvCache {
             });
         }
         self.reserve(self.len + tokens, (b, heads, dim))?;
-        if let Some((kb, vb)) = &self.buffers {
-            kb.slice_set(&k, 2, self.len)?;
-            vb.slice_set(&v, 2, self.len)?;
-        }
-        self.len += tokens;
-        Ok(())
+        Ok(match &mut self.buffers {
+            Some(Buffers::Host(h)) => Some(h),
+            _ => None,
+        })
     }
 
-    /// The positions held, as views into the buffers (`[batch, kv_heads, len, head_dim]`, not contiguous once the
-    /// capacity exceeds the length).
+    /// Counts `tokens` positions written through [`Self::host_step`].
+    pub(crate) fn advance(&mut self, tokens: usize) {
+        self.len += tokens;
+    }
+
+    /// The host buffers and the positions they hold, for reading.
+    pub(crate) fn host(&self) -> Option<(&HostKv, usize)> {
+        match &self.buffers {
+            Some(Buffers::Host(h)) => Some((h, self.len)),
+            _ => None,
+        }
+    }
+
+    /// The positions held (`[batch, kv_heads, len, head_dim]`): views into tensor buffers (not contiguous once
+    /// the capacity exceeds the length), copies of host ones.
     pub fn keys_values(&self) -> Option<(Tensor, Tensor)> {
-        let (k, v) = self.buffers.as_ref()?;
-        Some((
-            k.narrow(2, 0, self.len).ok()?,
-            v.narrow(2, 0, self.len).ok()?,
-        ))
+        match self.buffers.as_ref()? {
+            Buffers::Tensors(k, v) => Some((
+                k.narrow(2, 0, self.len).ok()?,
+                v.narrow(2, 0, self.len).ok()?,
+            )),
+            Buffers::Host(h) => {
+                let (b, heads, _, d) = h.dims;
+                let take = |x: &[f16]| -> Option<Tensor> {
+                    let mut out = Vec::with_capacity(b * heads * self.len * d);
+                    for i in 0..b * heads {
+                        let at = h.at(i / heads, i % heads, 0);
+                        out.extend_from_slice(&x[at..at + self.len * d]);
+                    }
+                    Tensor::from_vec(out, (b, heads, self.len, d), &Device::Cpu).ok()
+                };
+                Some((take(&h.k)?, take(&h.v)?))
+            }
+        }
     }
 
     /// Replaces the contents with keys/values restored from elsewhere (a snapshot, another node, a replay),
@@ -136,6 +254,27 @@ impl KvCache {
             .max(MIN_CAPACITY)
             .max(needed)
             .min(self.max_len);
+        if self.host {
+            let elems = b * heads * grown * dim;
+            let mut new = HostKv {
+                k: vec![f16::ZERO; elems],
+                v: vec![f16::ZERO; elems],
+                dims: (b, heads, grown, dim),
+            };
+            if let Some(Buffers::Host(old)) = &self.buffers {
+                let n = self.len * dim;
+                for i in 0..b * heads {
+                    let (from, to) = (
+                        old.at(i / heads, i % heads, 0),
+                        new.at(i / heads, i % heads, 0),
+                    );
+                    new.k[to..to + n].copy_from_slice(&old.k[from..from + n]);
+                    new.v[to..to + n].copy_from_slice(&old.v[from..from + n]);
+                }
+            }
+            self.buffers = Some(Buffers::Host(new));
+            return Ok(());
+        }
         let p = &self.placement;
         let alloc = || Tensor::zeros((b, heads, grown, dim), p.dtype, &p.device);
         let (k, v) = (alloc()?, alloc()?);
@@ -143,7 +282,7 @@ impl KvCache {
             k.slice_set(&old_k.contiguous()?, 2, 0)?;
             v.slice_set(&old_v.contiguous()?, 2, 0)?;
         }
-        self.buffers = Some((k, v));
+        self.buffers = Some(Buffers::Tensors(k, v));
         Ok(())
     }
 }

@@ -2,12 +2,14 @@
 //! residual; the family options ([`crate::compute::family::FamilyOptions`]) add biases, norms, windows and caps.
 mod attention;
 mod flash_attention;
+mod host_attention;
 mod kv_cache;
 mod mlp;
 mod moe;
 mod rope;
 
 pub use attention::Attention;
+use attention::SessionRows;
 
 pub use kv_cache::KvCache;
 pub use mlp::Mlp;
@@ -226,20 +228,23 @@ impl Block {
             Tensor::cat(&rows, 1)?
         };
         let projected = self.attn.project(&self.attn_norm.forward(&x)?)?;
-        let mut attended = Vec::with_capacity(steps.len());
         let mut start = 0;
-        for (s, &(b, t, _)) in steps.iter_mut().zip(&shapes) {
-            attended.push(
-                self.attn
-                    .attend(&projected, (start, b, t), s.position, s.cache)?,
-            );
-            start += b * t;
-        }
-        let y = if attended.len() == 1 {
-            attended.remove(0)
-        } else {
-            Tensor::cat(&attended, 1)?
-        };
+        let mut sessions: Vec<SessionRows> = steps
+            .iter_mut()
+            .zip(&shapes)
+            .map(|(s, &(batch, tokens, _))| {
+                let rows = SessionRows {
+                    start,
+                    batch,
+                    tokens,
+                    position: s.position,
+                    cache: s.cache,
+                };
+                start += batch * tokens;
+                rows
+            })
+            .collect();
+        let y = self.attn.attend_all(&projected, &mut sessions)?;
         let y = self.attn.output(&y)?;
         let y = match &self.post_attn_norm {
             Some(n) => n.forward(&y)?,

@@ -2,7 +2,7 @@
 use crate::compute::placement::Placement;
 use crate::compute::spec::{ModelSpec, RopeStyle};
 use crate::error::{ModelError, Result};
-use candle_core::{DType, Tensor};
+use candle_core::{CpuStorage, DType, Storage, StorageRef, Tensor};
 
 #[derive(Debug, Clone)]
 pub struct Rope {
@@ -65,6 +65,22 @@ impl Rope {
         })
     }
 
+    /// The tables read in place, when they are f32 on the CPU and laid out from their start (they always are when
+    /// built there); `None` otherwise.
+    pub(crate) fn host(&self) -> Option<HostRope<'_>> {
+        let (cos, cl) = self.cos.storage_and_layout();
+        let (sin, sl) = self.sin.storage_and_layout();
+        let from_start =
+            |l: &candle_core::Layout| l.contiguous_offsets().is_some_and(|(s, _)| s == 0);
+        let f32_cpu = |s: &Storage| matches!(s, Storage::Cpu(CpuStorage::F32(_)));
+        (f32_cpu(&cos) && f32_cpu(&sin) && from_start(cl) && from_start(sl)).then(|| HostRope {
+            cos,
+            sin,
+            style: self.style,
+            max_position: self.max_position,
+        })
+    }
+
     /// Rotates `x` of shape `[batch, heads, tokens, head_dim]` for positions `position..position + tokens`.
     pub fn apply(&self, x: &Tensor, position: usize) -> Result<Tensor> {
         let (_, _, tokens, _) = x.dims4()?;
@@ -82,6 +98,51 @@ impl Rope {
             RopeStyle::Half => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
             RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
         })
+    }
+}
+
+/// A table read in place on the CPU, for kernels that rotate rows themselves ([`Rope::host`]).
+pub(crate) struct HostRope<'a> {
+    cos: StorageRef<'a>,
+    sin: StorageRef<'a>,
+    style: RopeStyle,
+    max_position: usize,
+}
+
+impl HostRope<'_> {
+    pub fn max_position(&self) -> usize {
+        self.max_position
+    }
+
+    /// `x` (one head's `head_dim` values) rotated for `position` into `out`, with the arithmetic of candle's CPU
+    /// `rope` and `rope_i` kernels, so the result is theirs bit for bit.
+    pub fn rotate(&self, x: &[f32], position: usize, out: &mut [f32]) {
+        let (Storage::Cpu(CpuStorage::F32(cos)), Storage::Cpu(CpuStorage::F32(sin))) =
+            (&*self.cos, &*self.sin)
+        else {
+            unreachable!("Rope::host checked the tables");
+        };
+        let half = x.len() / 2;
+        let (cos, sin) = (
+            &cos[position * half..(position + 1) * half],
+            &sin[position * half..(position + 1) * half],
+        );
+        match self.style {
+            RopeStyle::Half => {
+                for i in 0..half {
+                    let (a, b) = (x[i], x[i + half]);
+                    out[i] = a * cos[i] - b * sin[i];
+                    out[i + half] = a * sin[i] + b * cos[i];
+                }
+            }
+            RopeStyle::Interleaved => {
+                for i in 0..half {
+                    let (a, b) = (x[2 * i], x[2 * i + 1]);
+                    out[2 * i] = a * cos[i] - b * sin[i];
+                    out[2 * i + 1] = a * sin[i] + b * cos[i];
+                }
+            }
+        }
     }
 }
 

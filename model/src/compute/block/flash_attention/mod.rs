@@ -87,14 +87,24 @@ enum Elems<'a> {
 
 /// Keys or values of the cache, as the kernel reads them.
 #[derive(Clone, Copy)]
-struct Cache<'a> {
+pub(crate) struct Cache<'a> {
     data: Elems<'a>,
     offset: usize,
     batch_stride: usize,
     head_stride: usize,
 }
 
-impl Cache<'_> {
+impl<'a> Cache<'a> {
+    /// Keys or values of an f16 cache in host memory: `[batch, kv_heads, capacity, head_dim]`, row-major.
+    pub(crate) fn host(data: &'a [f16], (kv_heads, capacity, d): (usize, usize, usize)) -> Self {
+        Self {
+            data: Elems::F16(data),
+            offset: 0,
+            batch_stride: kv_heads * capacity * d,
+            head_stride: capacity * d,
+        }
+    }
+
     /// Rows `first..first + n` of head `h` of sequence `b` (contiguous in the cache), in f32: borrowed from an f32
     /// cache, widened into `buf` from an f16 one.
     fn rows<'s>(
@@ -216,8 +226,9 @@ impl FlashAttention {
         partial
     }
 
-    /// The attention itself, on slices; `q` contiguous, `out` the same length.
-    fn compute(
+    /// The attention itself, on slices: `q` `[batch, kv_heads, group, tokens, head_dim]` contiguous (`dims`),
+    /// `len` positions of keys and values, `out` as long as `q`.
+    pub(crate) fn compute(
         &self,
         q: &[f32],
         dims: [usize; 5],
