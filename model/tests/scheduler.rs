@@ -490,3 +490,92 @@ fn blocking_steps_work_and_the_thread_exits_when_the_handles_are_dropped() {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// A step of a session that is not `cache`'s first: one more token.
+fn next_step(model: &Model, seed: u32, cache: SpanCache) -> SessionStep {
+    let position = cache.position();
+    SessionStep {
+        hidden: model
+            .head
+            .embed(&prompt(model, seed, position + 1)[position..])
+            .unwrap(),
+        position,
+        cache,
+    }
+}
+
+/// Sessions of the last batch whose next steps come one after another run as one batch: the first step waits for
+/// the others. A session that does not come back is waited for once, up to the limit, then forgotten.
+#[test]
+fn steps_of_the_last_batch_are_gathered_and_a_session_that_left_is_waited_for_once() {
+    let model = load(&stories_bin());
+    let rt = runtime();
+    let first_steps = |n: usize| -> Vec<SessionStep> {
+        (0..n)
+            .map(|i| SessionStep {
+                hidden: model.head.embed(&prompt(&model, i as u32, 4)).unwrap(),
+                position: 0,
+                cache: model
+                    .span
+                    .new_cache(model.span.range(), MAX_LENGTH)
+                    .unwrap(),
+            })
+            .collect()
+    };
+    let answer_all = |pending: Vec<petal_model::PendingStep>| {
+        rt.block_on(async {
+            let mut answers = vec![];
+            for p in pending {
+                answers.push(p.await.unwrap());
+            }
+            answers
+        })
+    };
+    // A limit no test machine reaches: the three steps must meet whatever the delays between them.
+    let scheduler = SpanScheduler::builder(model.span.clone())
+        .gather_limit(Duration::from_secs(60))
+        .start()
+        .unwrap();
+    let answers = answer_all(scheduler.step_all(first_steps(3)));
+    assert!(answers.iter().all(|a| a.batch.sessions == 3));
+    let mut pending = vec![];
+    for (i, answer) in answers.into_iter().enumerate() {
+        pending.push(scheduler.step(next_step(&model, i as u32, answer.cache)));
+        std::thread::sleep(Duration::from_millis(30));
+    }
+    let answers = answer_all(pending);
+    for a in &answers {
+        assert_eq!(a.batch.sessions, 3, "{:?}", a.batch);
+        assert!(
+            a.batch.gathered >= Duration::from_millis(60),
+            "{:?}",
+            a.batch
+        );
+        a.output.as_ref().unwrap();
+    }
+
+    // Two sessions, then one of them alone: its first step waits the limit for the other, the next does not.
+    let limit = Duration::from_millis(200);
+    let scheduler = SpanScheduler::builder(model.span.clone())
+        .gather_limit(limit)
+        .start()
+        .unwrap();
+    let mut answers = answer_all(scheduler.step_all(first_steps(2)));
+    let mut cache = answers.remove(0).cache;
+    for round in 0..3 {
+        let a = answer_all(vec![scheduler.step(next_step(&model, 0, cache))]).remove(0);
+        assert_eq!(a.batch.sessions, 1);
+        if round == 0 {
+            assert!(a.batch.gathered >= limit, "{:?}", a.batch);
+        } else {
+            assert_eq!(
+                a.batch.gathered,
+                Duration::ZERO,
+                "round {round}: {:?}",
+                a.batch
+            );
+        }
+        a.output.unwrap();
+        cache = a.cache;
+    }
+}

@@ -121,6 +121,7 @@ impl BlockSpan {
             .map(|i| self.blocks[i - self.range.start].new_cache(max_length, self.kv_dtype))
             .collect();
         Ok(SpanCache {
+            id: NEXT_CACHE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             range: sub,
             caches,
             position: 0,
@@ -252,9 +253,14 @@ pub struct BatchStep<'a> {
     pub cache: &'a mut SpanCache,
 }
 
+/// Identities of span caches, unique in this process.
+static NEXT_CACHE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// One session's state on one span: a KV cache per block and the next expected position.
 #[derive(Debug)]
 pub struct SpanCache {
+    /// Unique in this process: the scheduler knows a session's steps by it.
+    id: u64,
     range: BlockRange,
     caches: Vec<KvCache>,
     position: usize,
@@ -262,6 +268,11 @@ pub struct SpanCache {
 }
 
 impl SpanCache {
+    /// This cache's identity, unique in this process.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     pub fn range(&self) -> BlockRange {
         self.range
     }
