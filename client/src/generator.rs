@@ -194,7 +194,9 @@ impl Generator {
         let t1 = Instant::now();
         let out = session.forward(&hidden).await?;
         let t2 = Instant::now();
-        let logits = compute(|| self.head.logits(&out.hidden))?;
+        // The session's address names it while it lives: the LM head batches the sessions that come back together.
+        let caller = (&**session as *const dyn BlockSession).cast::<()>() as usize as u64;
+        let logits = compute(|| self.head.logits_for(caller, &out.hidden))?;
         let timing = StepTiming {
             tokens: ids.len(),
             embed: t1 - t0,

@@ -50,7 +50,8 @@ impl Head {
         let lm_head = match source.load_head(HeadTensor::LmHead, &p.device)? {
             Some(w) => w.matmul(p)?,
             None => embed_w.matmul(p)?,
-        };
+        }
+        .for_logits();
         let o = &spec.options;
         let norm_w = norm_w.norm(p, o.norm_plus_one)?;
         Ok(Self {
@@ -90,6 +91,12 @@ impl Head {
     /// f32 logits `[batch, vocab]` of the last position of `hidden` (`[batch, tokens, hidden]`), from wherever the
     /// last block left it. Callers on several threads at once share one LM head matmul where it allows.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.logits_for(0, hidden)
+    }
+
+    /// [`Head::logits`] for `caller` (a session, unique among those alive): the callers of one shared matmul
+    /// tend to come back together for the next, and it waits a little for those that have not yet.
+    pub fn logits_for(&self, caller: u64, hidden: &Tensor) -> Result<Tensor> {
         let _span = tracing::trace_span!("head").entered();
         let (_, tokens, _) = hidden.dims3()?;
         if tokens == 0 {
@@ -108,7 +115,9 @@ impl Head {
             // From a thread of the compute pool, waiting for another caller's batch could hold a thread that
             // batch needs.
             Some(batcher) if rayon::current_thread_index().is_none() => {
-                batcher.run(last, |x| on_compute_pool(device, || self.project(x)))
+                batcher.run(caller, last, |x| {
+                    on_compute_pool(device, || self.project(x))
+                })
             }
             _ => on_compute_pool(device, || self.project(&last)),
         }

@@ -1,32 +1,61 @@
 //! One computation for the rows of concurrent callers: the LM head of every session of a client that reaches it at
 //! the same time runs as one matmul, which reads the head's weights once instead of once per session.
 //!
-//! There is no thread of its own (a lone caller pays no hand-off): each caller queues its rows and takes the
-//! compute turn; whoever gets the turn with its own rows still unanswered computes everything queued at that
-//! moment, its own rows included, and answers the others, who find their answer when their turn comes. A caller
-//! waits for at most the batch running when it arrived, plus its own.
+//! There is no thread of its own (a lone caller pays no hand-off): each caller queues its rows; when no batch is
+//! computing, a caller whose rows are still queued computes everything queued, its own rows included, answers the
+//! others and wakes them. A caller waits for at most the batch computing when it arrived, plus its own.
+//!
+//! Callers that come together tend to come back together (a node answers its batched sessions at once), but not
+//! at the same instant: the first would compute alone and read the weights once for its row, the rest a moment
+//! later once more. So callers name themselves (a session), and the one about to compute first waits for the
+//! callers of the last two batches that have not queued yet, at most [`GATHER_SHARE`] of the last batch's compute
+//! time (and never more than [`MAX_GATHER`]); callers still missing then are forgotten, so one that left costs at
+//! most one wait.
 //!
 //! The function must compute each row independently of the others (ours do: activations are quantized by row and
 //! every output element is one row's dot product), so a batched answer is the unbatched one, bit for bit. If the
 //! batch fails, each caller's rows are computed again alone, so an error reaches only the rows that cause it.
 use crate::error::{ModelError, Result};
 use candle_core::Tensor;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+/// The longest a batch waits for the callers of the last two batches, as a share of the last batch's compute time.
+const GATHER_SHARE: f64 = 0.5;
+/// And in absolute terms.
+const MAX_GATHER: Duration = Duration::from_millis(5);
 
 /// A caller's answer, filled by whoever computes its rows.
 type Slot = Arc<Mutex<Option<Result<Tensor>>>>;
 
 struct Request {
+    caller: u64,
     rows: Tensor,
     answer: Slot,
+}
+
+/// What callers share, under one lock.
+#[derive(Default)]
+struct State {
+    /// Rows not taken by a batch yet.
+    queue: Vec<Request>,
+    /// Whether a caller is gathering or computing a batch.
+    computing: bool,
+    /// The callers of the last two batches, the last first.
+    recent: [Vec<u64>; 2],
+    /// The last batch's compute time.
+    last_compute: Option<Duration>,
 }
 
 /// Batches concurrent calls of one row-wise computation; see the module docs.
 #[derive(Default)]
 pub struct RowBatcher {
-    queue: Mutex<Vec<Request>>,
-    turn: Mutex<()>,
+    state: Mutex<State>,
+    /// Signalled when rows are queued and when a batch has answered.
+    changed: Condvar,
     stats: Mutex<BatchStats>,
+    /// Overrides the gathering limit (tests).
+    gather_limit: Option<Duration>,
 }
 
 /// What a [`RowBatcher`] has run so far.
@@ -38,10 +67,12 @@ pub struct BatchStats {
     pub calls: u64,
     /// The most callers one batch answered.
     pub largest: usize,
+    /// Batches that waited for callers before computing.
+    pub gathered: u64,
 }
 
 /// Locks `m`, whatever a panicking holder left behind: the data stays consistent (a request is either queued or
-/// answered, see [`Unanswered`]).
+/// answered, see [`Unanswered`]; a batch's end is marked by [`Computing`]).
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -51,43 +82,116 @@ impl RowBatcher {
         Self::default()
     }
 
+    /// A batcher whose batches wait at most `limit` for the callers of the last two batches.
+    pub fn with_gather_limit(limit: Duration) -> Self {
+        Self {
+            gather_limit: Some(limit),
+            ..Self::default()
+        }
+    }
+
     pub fn stats(&self) -> BatchStats {
         *lock(&self.stats)
     }
 
-    /// Callers waiting for their turn right now.
+    /// Callers whose rows are queued right now.
     pub fn queued(&self) -> usize {
-        lock(&self.queue).len()
+        lock(&self.state).queue.len()
     }
 
     /// `f(rows)`, `rows` being `[n, ...]`, computed together with the rows of callers that arrive meanwhile (all
     /// concatenated along the first dimension). `f` must give `[n, ...]` for `[n, ...]`, each row from its input
-    /// row alone.
-    pub fn run(&self, rows: Tensor, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    /// row alone. `caller` names who asks (a session), so that a batch can wait for the callers of the last ones.
+    pub fn run(
+        &self,
+        caller: u64,
+        rows: Tensor,
+        f: impl Fn(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         let answer: Slot = Arc::default();
-        lock(&self.queue).push(Request {
+        let mut state = lock(&self.state);
+        state.queue.push(Request {
+            caller,
             rows,
             answer: answer.clone(),
         });
-        let _turn = lock(&self.turn);
-        if let Some(done) = lock(&answer).take() {
-            return done;
+        self.changed.notify_all();
+        loop {
+            if let Some(done) = lock(&answer).take() {
+                return done;
+            }
+            if !state.computing {
+                // Our rows are still queued, and nobody computes: we do.
+                state.computing = true;
+                let computing = Computing(self);
+                let (batch, gathered) = self.gather(state);
+                self.compute(&batch, gathered, &f);
+                let mut s = lock(&self.state);
+                s.recent.swap(0, 1);
+                s.recent[0] = batch.iter().map(|r| r.caller).collect();
+                drop(s);
+                drop(computing);
+                state = lock(&self.state);
+                continue;
+            }
+            state = self
+                .changed
+                .wait(state)
+                .unwrap_or_else(PoisonError::into_inner);
         }
-        // Our rows are still queued: nobody who held the turn since took them.
-        let batch = std::mem::take(&mut *lock(&self.queue));
-        let unanswered = Unanswered(&batch);
-        match batch.as_slice() {
+    }
+
+    /// Waits for the callers of the last two batches that have not queued, up to the gathering limit, then takes
+    /// the queue (forgetting who was still missing); and whether it waited.
+    fn gather(&self, mut state: MutexGuard<'_, State>) -> (Vec<Request>, bool) {
+        let limit = self.gather_limit.unwrap_or_else(|| {
+            state
+                .last_compute
+                .unwrap_or_default()
+                .mul_f64(GATHER_SHARE)
+                .min(MAX_GATHER)
+        });
+        let deadline = Instant::now() + limit;
+        let mut waited = false;
+        loop {
+            let queued: Vec<u64> = state.queue.iter().map(|r| r.caller).collect();
+            let missing = state.recent.iter().flatten().any(|c| !queued.contains(c));
+            if !missing {
+                break;
+            }
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                for callers in &mut state.recent {
+                    callers.retain(|c| queued.contains(c));
+                }
+                break;
+            };
+            waited = true;
+            state = self
+                .changed
+                .wait_timeout(state, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        (std::mem::take(&mut state.queue), waited)
+    }
+
+    /// Computes `batch` and answers each of its callers.
+    fn compute(&self, batch: &[Request], gathered: bool, f: &impl Fn(&Tensor) -> Result<Tensor>) {
+        let started = Instant::now();
+        let unanswered = Unanswered(batch);
+        match batch {
+            [] => {}
             [one] => answer_with(one, f(&one.rows)),
             many => {
                 let inputs: Vec<&Tensor> = many.iter().map(|r| &r.rows).collect();
-                match Tensor::cat(&inputs, 0)
+                let all = Tensor::cat(&inputs, 0)
                     .map_err(ModelError::from)
-                    .and_then(|x| f(&x))
-                {
+                    .and_then(|x| f(&x));
+                let mut start = 0;
+                match all {
                     Ok(all) => {
-                        let mut start = 0;
                         for r in many {
-                            let n = r.rows.dim(0)?;
+                            let n = r.rows.dims().first().copied().unwrap_or(0);
                             answer_with(r, all.narrow(0, start, n).map_err(ModelError::from));
                             start += n;
                         }
@@ -98,17 +202,12 @@ impl RowBatcher {
             }
         }
         drop(unanswered);
+        lock(&self.state).last_compute = Some(started.elapsed());
         let mut stats = lock(&self.stats);
         stats.batches += 1;
         stats.calls += batch.len() as u64;
         stats.largest = stats.largest.max(batch.len());
-        drop(stats);
-        let mine = lock(&answer).take();
-        mine.unwrap_or_else(|| {
-            Err(ModelError::Config(
-                "the batched computation answered nothing".into(),
-            ))
-        })
+        stats.gathered += u64::from(gathered);
     }
 }
 
@@ -116,8 +215,18 @@ fn answer_with(r: &Request, result: Result<Tensor>) {
     *lock(&r.answer) = Some(result);
 }
 
+/// Marks the batch's end and wakes every caller when dropped, even if `f` panicked.
+struct Computing<'a>(&'a RowBatcher);
+
+impl Drop for Computing<'_> {
+    fn drop(&mut self) {
+        lock(&self.0.state).computing = false;
+        self.0.changed.notify_all();
+    }
+}
+
 /// Answers every request of a batch that has no answer yet with an error when dropped: if `f` panics, the
-/// callers whose rows were taken do not wait for ever, and each finds an answer when its turn comes.
+/// callers whose rows were taken do not wait for ever.
 struct Unanswered<'a>(&'a [Request]);
 
 impl Drop for Unanswered<'_> {
@@ -152,7 +261,7 @@ mod tests {
         std::thread::scope(|s| {
             // The first caller holds the turn until released.
             let first = s.spawn(|| {
-                batcher.run(row(1.0), |x| {
+                batcher.run(1, row(1.0), |x| {
                     started_tx.send(()).unwrap();
                     lock(&release_rx).recv().unwrap();
                     Ok((x * 10.0)?)
@@ -162,7 +271,7 @@ mod tests {
             let others: Vec<_> = (2..=5)
                 .map(|i| {
                     let batcher = &batcher;
-                    s.spawn(move || batcher.run(row(i as f32), |x| Ok((x * 10.0)?)))
+                    s.spawn(move || batcher.run(i, row(i as f32), |x| Ok((x * 10.0)?)))
                 })
                 .collect();
             // Every other caller has queued its rows behind the running batch.
@@ -195,14 +304,81 @@ mod tests {
             }
             Ok(x.clone())
         };
-        assert!(batcher.run(bad, check).is_err());
-        assert!(batcher.run(row(2.0), check).is_ok());
+        assert!(batcher.run(0, bad, check).is_err());
+        assert!(batcher.run(0, row(2.0), check).is_ok());
         let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            batcher.run(row(3.0), |_| -> Result<Tensor> { panic!("boom") })
+            batcher.run(0, row(3.0), |_| -> Result<Tensor> { panic!("boom") })
         }));
         assert!(panicked.is_err());
         // The batcher serves on after the panic.
-        let after = batcher.run(row(4.0), check).unwrap();
+        let after = batcher.run(0, row(4.0), check).unwrap();
         assert_eq!(after.to_vec2::<f32>().unwrap(), vec![vec![4.0; 4]]);
+    }
+
+    /// Callers 1 to 4 queued behind a running batch of caller 4, so that the next batch answers exactly these four.
+    fn batch_of_four(batcher: &RowBatcher) {
+        let (started_tx, started_rx) = mpsc::channel();
+        let (release_tx, release_rx) = mpsc::channel::<()>();
+        let release_rx = Mutex::new(release_rx);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                batcher.run(4, row(0.0), |x| {
+                    started_tx.send(()).unwrap();
+                    lock(&release_rx).recv().unwrap();
+                    Ok(x.clone())
+                })
+            });
+            started_rx.recv().unwrap();
+            for i in 1..=4 {
+                s.spawn(move || batcher.run(i, row(i as f32), |x| Ok(x.clone())));
+            }
+            while batcher.queued() < 4 {
+                std::thread::yield_now();
+            }
+            release_tx.send(()).unwrap();
+        });
+        assert_eq!(batcher.stats().largest, 4);
+    }
+
+    /// After a batch of four, the first of them to come back waits for the three others, and they share its batch;
+    /// a caller that stays alone waits once (up to the limit), then no more.
+    #[test]
+    fn the_caller_with_the_turn_waits_for_the_last_batchs_callers_once() {
+        // No test machine reaches this limit: the four must meet whatever the delays between them.
+        let batcher = RowBatcher::with_gather_limit(Duration::from_secs(60));
+        batch_of_four(&batcher);
+        let before = batcher.stats();
+        std::thread::scope(|s| {
+            let callers: Vec<_> = (1..=4)
+                .map(|i| {
+                    let batcher = &batcher;
+                    let t = s.spawn(move || batcher.run(i, row(i as f32), |x| Ok((x * 2.0)?)));
+                    std::thread::sleep(Duration::from_millis(20));
+                    t
+                })
+                .collect();
+            for (i, t) in (1..=4).zip(callers) {
+                let got = t.join().unwrap().unwrap();
+                assert_eq!(got.to_vec2::<f32>().unwrap(), vec![vec![2.0 * i as f32; 4]]);
+            }
+        });
+        let after = batcher.stats();
+        assert_eq!(after.batches - before.batches, 1, "{after:?}");
+        assert_eq!(after.gathered - before.gathered, 1, "{after:?}");
+
+        let batcher = RowBatcher::with_gather_limit(Duration::from_millis(100));
+        batch_of_four(&batcher);
+        let before = batcher.stats();
+        for _ in 0..3 {
+            batcher.run(1, row(1.0), |x| Ok(x.clone())).unwrap();
+        }
+        let after = batcher.stats();
+        assert_eq!(
+            (
+                after.batches - before.batches,
+                after.gathered - before.gathered
+            ),
+            (3, 1)
+        );
     }
 }

@@ -37,6 +37,19 @@ impl Linear {
         Ok(Self::Candle(QMatMul::from_arc(q)?))
     }
 
+    /// This matrix as an LM head: its output is the logits, never requantized, so a Q8_0 matrix sums each block
+    /// exactly ([`q8_0::Summation::Blocks`]), within float rounding of candle's order for far less work.
+    pub fn for_logits(self) -> Self {
+        match self {
+            Self::Q8_0(m) => match Arc::try_unwrap(m) {
+                Ok(m) => Self::Q8_0(Arc::new(m.with_summation(q8_0::Summation::Blocks))),
+                // Shared: left as it is, since another holder may be a block.
+                Err(shared) => Self::Q8_0(shared),
+            },
+            other => other,
+        }
+    }
+
     pub fn dense(w: Tensor) -> Self {
         Self::Candle(QMatMul::Tensor(w))
     }

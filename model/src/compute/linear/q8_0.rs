@@ -10,12 +10,20 @@
 //! pairwise. Our kernels keep the same eight sums per row, one vector per `l` with a row in each lane. (On CPUs with
 //! AVX-VNNI, candle takes a repacked kernel instead for rows whose length is a multiple of 256, with sums in
 //! another order; SmolLM2's 576 is not.)
+//!
+//! That order is what blocks of a quantized model need: the next matmul requantizes their output, and any other
+//! rounding moves a model's logits visibly. An LM head's output is not requantized, so it may take
+//! [`Summation::Blocks`]: each block's 32 products summed in integers (exactly), and one fused `d_w * d_x * sum` per
+//! block and row, not eight. A result within float rounding of candle's (closer to the exact one, in fact), for an
+//! eighth of the float work, and with one sum per row a tile takes eight activation rows instead of two.
 use super::q8_1::{abs_max, round_half_away};
 use super::{interleaved, GROUP_ROWS, PART_BYTES};
 use crate::error::Result;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape};
 use half::f16;
+
+mod blocks;
 
 /// Values per block.
 pub const QK8_0: usize = 32;
@@ -24,9 +32,19 @@ const BLOCK_BYTES: usize = 2 + QK8_0;
 /// Value bytes of one block of a group: eight parts (four bytes of each row, row `k` at `4k`).
 const BLOCK_QS: usize = GROUP_ROWS * QK8_0;
 
+/// How a row's products are summed (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Summation {
+    /// Candle's (and ggml's) eight float lanes per row: its result bit for bit.
+    Lanes,
+    /// Each block's products summed exactly in integers, then one fused multiply-add per block.
+    Blocks,
+}
+
 /// A `[rows, cols]` Q8_0 weight matrix, repacked into groups of interleaved rows (rows past the last are zero).
 #[derive(Debug)]
 pub struct Q8_0Matrix {
+    summation: Summation,
     /// `[group][block][row of the group]`.
     d: Vec<f16>,
     /// `[group][block][part][row of the group][byte]`.
@@ -58,6 +76,8 @@ pub struct Q8_0Rows {
     /// `-128` times the sum of each four bytes: what a product with weights offset by 128 (unsigned, as `dpbusd`
     /// takes them) has too much.
     offset: Vec<[i32; QK8_0 / 4]>,
+    /// The same for each whole block.
+    block_offset: Vec<i32>,
 }
 
 /// One row of [`Q8_0Rows`].
@@ -66,6 +86,7 @@ pub struct Q8_0Row<'a> {
     pub d: &'a [f32],
     pub qs: &'a [[i8; QK8_0]],
     pub offset: &'a [[i32; QK8_0 / 4]],
+    pub block_offset: &'a [i32],
 }
 
 impl Q8_0Rows {
@@ -77,15 +98,18 @@ impl Q8_0Rows {
             d: Vec::with_capacity(m * blocks),
             qs: Vec::with_capacity(m * blocks),
             offset: Vec::with_capacity(m * blocks),
+            block_offset: Vec::with_capacity(m * blocks),
         };
         for xs in x.chunks_exact(QK8_0) {
             let d = abs_max(xs) / 127.0;
             let id = if d != 0.0 { 1.0 / d } else { 0.0 };
             let qs: [i8; QK8_0] = std::array::from_fn(|i| round_half_away(xs[i] * id) as i8);
             q.d.push(f16::from_f32(d).to_f32());
-            q.offset.push(std::array::from_fn(|l| {
+            let offset: [i32; QK8_0 / 4] = std::array::from_fn(|l| {
                 -128 * qs[4 * l..4 * l + 4].iter().map(|&v| v as i32).sum::<i32>()
-            }));
+            });
+            q.block_offset.push(offset.iter().sum());
+            q.offset.push(offset);
             q.qs.push(qs);
         }
         q
@@ -96,7 +120,8 @@ impl Q8_0Rows {
         Q8_0Row {
             d: &self.d[r.clone()],
             qs: &self.qs[r.clone()],
-            offset: &self.offset[r],
+            offset: &self.offset[r.clone()],
+            block_offset: &self.block_offset[r],
         }
     }
 }
@@ -117,6 +142,7 @@ impl Q8_0Matrix {
         let nb = cols / QK8_0;
         let slots = rows.div_ceil(GROUP_ROWS) * nb * GROUP_ROWS;
         let mut w = Self {
+            summation: Summation::Lanes,
             d: vec![f16::ZERO; slots],
             qs: vec![0; slots * QK8_0],
             rows,
@@ -133,6 +159,15 @@ impl Q8_0Matrix {
             }
         }
         Ok(w)
+    }
+
+    /// The same matrix summing its products in `summation`'s order.
+    pub fn with_summation(self, summation: Summation) -> Self {
+        Self { summation, ..self }
+    }
+
+    pub fn summation(&self) -> Summation {
+        self.summation
     }
 
     pub fn rows(&self) -> usize {
@@ -162,7 +197,7 @@ impl Q8_0Matrix {
         let xq = Q8_0Rows::quantize(x, m);
         let rows: Vec<Q8_0Row<'_>> = (0..m).map(|i| xq.row(i)).collect();
         super::matmul_by_groups(self.rows, m, |g, tile, out| {
-            kernel.group_dots(self.group(g), &rows[tile], out)
+            kernel.group_dots(self.summation, self.group(g), &rows[tile], out)
         })
     }
 }
@@ -209,17 +244,33 @@ impl Kernel {
         Kernel::Scalar
     }
 
-    /// `out[r][k] = dot(row k of w, xs[r])` for every activation row, each as long as `w`'s rows.
-    pub fn group_dots(self, w: Q8_0Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+    /// `out[r][k] = dot(row k of w, xs[r])` for every activation row, each as long as `w`'s rows, summed in
+    /// `summation`'s order.
+    pub fn group_dots(
+        self,
+        summation: Summation,
+        w: Q8_0Group<'_>,
+        xs: &[Q8_0Row<'_>],
+        out: &mut [[f32; GROUP_ROWS]],
+    ) {
         let nb = w.blocks();
         assert!(xs.iter().all(|x| x.d.len() == nb) && out.len() >= xs.len());
-        match self {
-            Kernel::Scalar => group_scalar(w, xs, out),
-            // SAFETY (both): `available` lists a kernel only on CPUs with its features; lengths were checked above.
+        match (self, summation) {
+            (Kernel::Scalar, Summation::Lanes) => group_scalar(w, xs, out),
+            (Kernel::Scalar, Summation::Blocks) => blocks::group_scalar(w, xs, out),
+            // SAFETY (all): `available` lists a kernel only on CPUs with its features; lengths were checked above.
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => unsafe { avx2::group_dots(w, xs, out) },
+            (Kernel::Avx2, Summation::Lanes) => unsafe { avx2::group_dots(w, xs, out) },
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512Vnni => unsafe { avx512_vnni::group_dots(w, xs, out) },
+            (Kernel::Avx2, Summation::Blocks) => unsafe { blocks::avx2::group_dots(w, xs, out) },
+            #[cfg(target_arch = "x86_64")]
+            (Kernel::Avx512Vnni, Summation::Lanes) => unsafe {
+                avx512_vnni::group_dots(w, xs, out)
+            },
+            #[cfg(target_arch = "x86_64")]
+            (Kernel::Avx512Vnni, Summation::Blocks) => unsafe {
+                blocks::avx512_vnni::group_dots(w, xs, out)
+            },
         }
     }
 }
@@ -406,6 +457,38 @@ mod tests {
             for kernel in Kernel::available() {
                 let got = ours.matmul_with(kernel, &xs, rows);
                 assert_eq!(got, want, "{kernel:?}, {rows} rows");
+            }
+        }
+    }
+
+    #[test]
+    fn summed_by_blocks_every_kernel_equals_the_reference_and_candle_to_rounding() {
+        // Whole tiles of eight activation rows and every remainder.
+        let q = QTensor::quantize(&random(131, 576, 5), GgmlDType::Q8_0).unwrap();
+        let ours = Q8_0Matrix::from_qtensor(&q)
+            .unwrap()
+            .unwrap()
+            .with_summation(Summation::Blocks);
+        let candle = QMatMul::from_qtensor(q).unwrap();
+        for rows in [1, 2, 3, 5, 8, 9, 15, 17, 23] {
+            let x = random(rows, 576, 7 + rows as u64);
+            let (want, xs) = candle_product(&candle, &x);
+            let reference = ours.matmul_with(Kernel::Scalar, &xs, rows);
+            // Eight float lanes against exact block sums: float rounding apart, the same.
+            let largest = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (a, b) in reference.iter().zip(&want) {
+                assert!(
+                    (a - b).abs() <= 1e-6 * largest,
+                    "{rows} rows: {a} against {b}"
+                );
+            }
+            assert_ne!(
+                reference, want,
+                "{rows} rows: the orders should round differently"
+            );
+            for kernel in Kernel::available() {
+                let got = ours.matmul_with(kernel, &xs, rows);
+                assert_eq!(got, reference, "{kernel:?}, {rows} rows");
             }
         }
     }

@@ -1,0 +1,138 @@
+//! [`Summation::Blocks`](super::Summation::Blocks): each block's products summed exactly in integers, then
+//! `acc += (d_w * d_x) * sum` (fused), block after block. Every kernel gives the scalar reference bit for bit.
+use super::{Q8_0Group, Q8_0Row, BLOCK_QS, GROUP_ROWS, PART_BYTES, QK8_0};
+
+/// The reference.
+pub(super) fn group_scalar(w: Q8_0Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+    for (x, o) in xs.iter().zip(out.iter_mut()) {
+        for (k, o) in o.iter_mut().enumerate() {
+            let mut acc = 0f32;
+            for b in 0..w.blocks() {
+                let d = w.d[b * GROUP_ROWS + k].to_f32() * x.d[b];
+                let sum: i32 = (0..QK8_0 / 4)
+                    .map(|l| {
+                        let at = b * BLOCK_QS + l * PART_BYTES + 4 * k;
+                        (0..4)
+                            .map(|t| w.qs[at + t] as i32 * x.qs[b][4 * l + t] as i32)
+                            .sum::<i32>()
+                    })
+                    .sum();
+                acc = d.mul_add(sum as f32, acc);
+            }
+            *o = acc;
+        }
+    }
+}
+
+/// Eight lanes (weight rows) per vector: the group in two halves, one activation row at a time.
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx2 {
+    use super::{Q8_0Group, Q8_0Row, BLOCK_QS, GROUP_ROWS, PART_BYTES, QK8_0};
+    use std::arch::x86_64::*;
+
+    const LANES: usize = 8;
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn group_dots(w: Q8_0Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+        let ones = _mm256_set1_epi16(1);
+        for (x, o) in xs.iter().zip(out.iter_mut()) {
+            for half in 0..GROUP_ROWS / LANES {
+                let mut acc = _mm256_setzero_ps();
+                for b in 0..w.blocks() {
+                    let at = b * GROUP_ROWS + half * LANES;
+                    let wd =
+                        _mm256_cvtph_ps(_mm_loadu_si128(w.d.as_ptr().add(at) as *const __m128i));
+                    let d = _mm256_mul_ps(wd, _mm256_set1_ps(x.d[b]));
+                    let base = w.qs.as_ptr().add(b * BLOCK_QS + half * 4 * LANES);
+                    let xq = x.qs.as_ptr().add(b) as *const i32;
+                    let mut sums = _mm256_setzero_si256();
+                    for l in 0..QK8_0 / 4 {
+                        let bw = _mm256_loadu_si256(base.add(l * PART_BYTES) as *const __m256i);
+                        let bx = _mm256_set1_epi32(xq.add(l).read_unaligned());
+                        // Signed bytes times signed bytes: the weight's sign moves onto the activation.
+                        let products = _mm256_maddubs_epi16(
+                            _mm256_sign_epi8(bw, bw),
+                            _mm256_sign_epi8(bx, bw),
+                        );
+                        sums = _mm256_add_epi32(sums, _mm256_madd_epi16(ones, products));
+                    }
+                    acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sums), acc);
+                }
+                _mm256_storeu_ps(o.as_mut_ptr().add(half * LANES), acc);
+            }
+        }
+    }
+}
+
+/// Sixteen lanes per vector: the whole group, up to [`TILE`](avx512_vnni::TILE) activation rows at a time, each
+/// weight vector loaded and offset once for all of them.
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx512_vnni {
+    use super::{Q8_0Group, Q8_0Row, BLOCK_QS, GROUP_ROWS, PART_BYTES, QK8_0};
+    use std::arch::x86_64::*;
+
+    /// Activation rows per tile: their block sums and row sums take sixteen of the thirty-two registers.
+    pub const TILE: usize = 8;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn group_dots(w: Q8_0Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+        let mut i = 0;
+        while xs.len() - i >= TILE {
+            tile::<TILE>(w, &xs[i..i + TILE], &mut out[i..i + TILE]);
+            i += TILE;
+        }
+        let (xs, out) = (&xs[i..], &mut out[i..]);
+        match xs.len() {
+            0 => {}
+            1 => tile::<1>(w, xs, out),
+            2 => tile::<2>(w, xs, out),
+            3 => tile::<3>(w, xs, out),
+            4 => tile::<4>(w, xs, out),
+            5 => tile::<5>(w, xs, out),
+            6 => tile::<6>(w, xs, out),
+            _ => tile::<7>(w, xs, out),
+        }
+    }
+
+    // `r` picks each row's activations, sum and output alike.
+    #[allow(clippy::needless_range_loop)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile<const N: usize>(
+        w: Q8_0Group<'_>,
+        xs: &[Q8_0Row<'_>],
+        out: &mut [[f32; GROUP_ROWS]],
+    ) {
+        let flip = _mm512_set1_epi8(-128);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for b in 0..w.blocks() {
+            let wd = _mm512_cvtph_ps(_mm256_loadu_si256(
+                w.d.as_ptr().add(b * GROUP_ROWS) as *const __m256i
+            ));
+            // `dpbusd` takes unsigned weights: w + 128 (the sign bit flipped), and each sum starts at
+            // -128 * sum(x) to take the offset back out, so it ends as the block's exact signed sum.
+            let mut sums: [__m512i; N] =
+                std::array::from_fn(|r| _mm512_set1_epi32(xs[r].block_offset[b]));
+            let base = w.qs.as_ptr().add(b * BLOCK_QS);
+            for l in 0..QK8_0 / 4 {
+                let bw = _mm512_xor_si512(
+                    _mm512_loadu_si512(base.add(l * PART_BYTES) as *const __m512i),
+                    flip,
+                );
+                for r in 0..N {
+                    let xq = (xs[r].qs.as_ptr().add(b) as *const i32)
+                        .add(l)
+                        .read_unaligned();
+                    sums[r] = _mm512_dpbusd_epi32(sums[r], bw, _mm512_set1_epi32(xq));
+                }
+            }
+            for r in 0..N {
+                let d = _mm512_mul_ps(wd, _mm512_set1_ps(xs[r].d[b]));
+                acc[r] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sums[r]), acc[r]);
+            }
+        }
+        for r in 0..N {
+            _mm512_storeu_ps(out[r].as_mut_ptr(), acc[r]);
+        }
+    }
+}
