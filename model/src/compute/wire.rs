@@ -44,27 +44,24 @@ pub fn from_wire(t: &pb::Tensor, dtype: pb::WireDType, shape: &[usize]) -> Resul
 pub fn to_le_bytes(t: &Tensor, dtype: DType) -> Result<Vec<u8>> {
     let t = normalise(t, &Placement::new(Device::Cpu, dtype))?.flatten_all()?;
     Ok(match dtype {
-        DType::F32 => t
-            .to_vec1::<f32>()?
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect(),
-        DType::F16 => t
-            .to_vec1::<half::f16>()?
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect(),
-        DType::BF16 => t
-            .to_vec1::<half::bf16>()?
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect(),
+        DType::F32 => le_bytes(&t.to_vec1::<f32>()?, f32::to_le_bytes),
+        DType::F16 => le_bytes(&t.to_vec1::<half::f16>()?, half::f16::to_le_bytes),
+        DType::BF16 => le_bytes(&t.to_vec1::<half::bf16>()?, half::bf16::to_le_bytes),
         other => {
             return Err(ModelError::Config(format!(
                 "dtype {other:?} cannot travel on the wire (f32, f16, bf16 can)"
             )))
         }
     })
+}
+
+/// `values` as consecutive little-endian bytes, `N` per value (a copy, not a byte-at-a-time iterator).
+fn le_bytes<T: Copy, const N: usize>(values: &[T], to_le: fn(T) -> [u8; N]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.len() * N);
+    for &v in values {
+        out.extend_from_slice(&to_le(v));
+    }
+    out
 }
 
 /// A CPU tensor from little-endian bytes. The caller has checked that `bytes.len()` matches `shape` and `dtype`
