@@ -123,6 +123,17 @@ impl Attention {
         Ok(y.reshape((1, batch * tokens, self.num_heads * self.head_dim))?)
     }
 
+    /// The in-place kernel's parameters for a step at `position`.
+    pub(crate) fn flash(&self, position: usize) -> FlashAttention {
+        FlashAttention {
+            scale: self.scale as f32,
+            softcap: self.softcap.map(|c| c as f32),
+            window: self.window,
+            position,
+            group: self.num_heads / self.num_kv_heads,
+        }
+    }
+
     /// The output projection of every session's attention rows at once.
     pub(crate) fn output(&self, y: &Tensor) -> Result<Tensor> {
         self.o.forward(y)
@@ -140,13 +151,7 @@ impl Attention {
         // reference and are read in place, half the bytes of f32.
         let in_place = q.device().is_cpu() && cache.placement().dtype == DType::F16;
         let y = if in_place {
-            let op = FlashAttention {
-                scale: self.scale as f32,
-                softcap: self.softcap.map(|c| c as f32),
-                window: self.window,
-                position,
-                group,
-            };
+            let op = self.flash(position);
             let q = q.to_dtype(DType::F32)?.contiguous()?.reshape((
                 b,
                 self.num_kv_heads,

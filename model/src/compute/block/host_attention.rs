@@ -9,7 +9,7 @@
 //! and values converted straight into the cache. The arithmetic is the candle path's, so the results are the same
 //! bit for bit (tested against it).
 use super::attention::{Attention, Projected, SessionRows};
-use super::flash_attention::{Cache, FlashAttention};
+use super::flash_attention::Cache;
 use super::rope::HostRope;
 use crate::error::{ModelError, Result};
 use candle_core::{CpuStorage, Device, Layout, Storage, Tensor};
@@ -192,14 +192,8 @@ fn session(
         Cache::host(&host.k, (kv_heads, host.dims.2, d)),
         Cache::host(&host.v, (kv_heads, host.dims.2, d)),
     );
-    let group = heads / kv_heads;
-    let op = FlashAttention {
-        scale: attn.scale as f32,
-        softcap: attn.softcap.map(|c| c as f32),
-        window: attn.window,
-        position,
-        group,
-    };
+    let op = attn.flash(position);
+    let group = op.group;
     let dims = [b, kv_heads, group, t, d];
     if t == 1 {
         // One token: the kernel's layout is already `[batch, heads x head_dim]`.
