@@ -51,8 +51,10 @@ struct State {
 #[derive(Default)]
 pub struct RowBatcher {
     state: Mutex<State>,
-    /// Signalled when rows are queued and when a batch has answered.
-    changed: Condvar,
+    /// Signalled when rows are queued (the gathering caller waits on it).
+    arrived: Condvar,
+    /// Signalled when a batch has answered (the other callers wait on it).
+    answered: Condvar,
     stats: Mutex<BatchStats>,
     /// Overrides the gathering limit (tests).
     gather_limit: Option<Duration>,
@@ -115,7 +117,7 @@ impl RowBatcher {
             rows,
             answer: answer.clone(),
         });
-        self.changed.notify_all();
+        self.arrived.notify_one();
         loop {
             if let Some(done) = lock(&answer).take() {
                 return done;
@@ -135,7 +137,7 @@ impl RowBatcher {
                 continue;
             }
             state = self
-                .changed
+                .answered
                 .wait(state)
                 .unwrap_or_else(PoisonError::into_inner);
         }
@@ -167,7 +169,7 @@ impl RowBatcher {
             };
             waited = true;
             state = self
-                .changed
+                .arrived
                 .wait_timeout(state, left)
                 .unwrap_or_else(PoisonError::into_inner)
                 .0;
@@ -221,7 +223,7 @@ struct Computing<'a>(&'a RowBatcher);
 impl Drop for Computing<'_> {
     fn drop(&mut self) {
         lock(&self.0.state).computing = false;
-        self.0.changed.notify_all();
+        self.0.answered.notify_all();
     }
 }
 
