@@ -5,24 +5,20 @@
 //! computing, a caller whose rows are still queued computes everything queued, its own rows included, answers the
 //! others and wakes them. A caller waits for at most the batch computing when it arrived, plus its own.
 //!
-//! Callers that come together tend to come back together (a node answers its batched sessions at once), but not
-//! at the same instant: the first would compute alone and read the weights once for its row, the rest a moment
-//! later once more. So callers name themselves (a session), and the one about to compute first waits for the
-//! callers of the last two batches that have not queued yet, at most [`GATHER_SHARE`] of the last batch's compute
-//! time (and never more than [`MAX_GATHER`]); callers still missing then are forgotten, so one that left costs at
-//! most one wait.
+//! Callers that come together tend to come back together, but not at the same instant, so callers name themselves
+//! (a session), and the one about to compute first waits for the callers of the last batches that have not queued
+//! yet ([`Gathering`], at most [`MAX_GATHER`]).
 //!
 //! The function must compute each row independently of the others (ours do: activations are quantized by row and
 //! every output element is one row's dot product), so a batched answer is the unbatched one, bit for bit. If the
 //! batch fails, each caller's rows are computed again alone, so an error reaches only the rows that cause it.
+use crate::compute::gathering::Gathering;
 use crate::error::{ModelError, Result};
 use candle_core::Tensor;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-/// The longest a batch waits for the callers of the last two batches, as a share of the last batch's compute time.
-const GATHER_SHARE: f64 = 0.5;
-/// And in absolute terms.
+/// The longest a batch waits for the callers of the last batches, whatever the last batch took.
 const MAX_GATHER: Duration = Duration::from_millis(5);
 
 /// A caller's answer, filled by whoever computes its rows.
@@ -35,20 +31,15 @@ struct Request {
 }
 
 /// What callers share, under one lock.
-#[derive(Default)]
 struct State {
     /// Rows not taken by a batch yet.
     queue: Vec<Request>,
     /// Whether a caller is gathering or computing a batch.
     computing: bool,
-    /// The callers of the last two batches, the last first.
-    recent: [Vec<u64>; 2],
-    /// The last batch's compute time.
-    last_compute: Option<Duration>,
+    gathering: Gathering,
 }
 
 /// Batches concurrent calls of one row-wise computation; see the module docs.
-#[derive(Default)]
 pub struct RowBatcher {
     state: Mutex<State>,
     /// Signalled when rows are queued (the gathering caller waits on it).
@@ -56,8 +47,12 @@ pub struct RowBatcher {
     /// Signalled when a batch has answered (the other callers wait on it).
     answered: Condvar,
     stats: Mutex<BatchStats>,
-    /// Overrides the gathering limit (tests).
-    gather_limit: Option<Duration>,
+}
+
+impl Default for RowBatcher {
+    fn default() -> Self {
+        Self::with_gathering(Gathering::new(MAX_GATHER, None))
+    }
 }
 
 /// What a [`RowBatcher`] has run so far.
@@ -86,9 +81,19 @@ impl RowBatcher {
 
     /// A batcher whose batches wait at most `limit` for the callers of the last two batches.
     pub fn with_gather_limit(limit: Duration) -> Self {
+        Self::with_gathering(Gathering::new(MAX_GATHER, Some(limit)))
+    }
+
+    fn with_gathering(gathering: Gathering) -> Self {
         Self {
-            gather_limit: Some(limit),
-            ..Self::default()
+            state: Mutex::new(State {
+                queue: Vec::new(),
+                computing: false,
+                gathering,
+            }),
+            arrived: Condvar::new(),
+            answered: Condvar::new(),
+            stats: Mutex::default(),
         }
     }
 
@@ -128,10 +133,9 @@ impl RowBatcher {
                 let computing = Computing(self);
                 let (batch, gathered) = self.gather(state);
                 self.compute(&batch, gathered, &f);
-                let mut s = lock(&self.state);
-                s.recent.swap(0, 1);
-                s.recent[0] = batch.iter().map(|r| r.caller).collect();
-                drop(s);
+                lock(&self.state)
+                    .gathering
+                    .ran(batch.iter().map(|r| r.caller).collect());
                 drop(computing);
                 state = lock(&self.state);
                 continue;
@@ -146,25 +150,15 @@ impl RowBatcher {
     /// Waits for the callers of the last two batches that have not queued, up to the gathering limit, then takes
     /// the queue (forgetting who was still missing); and whether it waited.
     fn gather(&self, mut state: MutexGuard<'_, State>) -> (Vec<Request>, bool) {
-        let limit = self.gather_limit.unwrap_or_else(|| {
-            state
-                .last_compute
-                .unwrap_or_default()
-                .mul_f64(GATHER_SHARE)
-                .min(MAX_GATHER)
-        });
-        let deadline = Instant::now() + limit;
+        let deadline = Instant::now() + state.gathering.limit();
         let mut waited = false;
         loop {
             let queued: Vec<u64> = state.queue.iter().map(|r| r.caller).collect();
-            let missing = state.recent.iter().flatten().any(|c| !queued.contains(c));
-            if !missing {
+            if !state.gathering.missing(&queued) {
                 break;
             }
             let Some(left) = deadline.checked_duration_since(Instant::now()) else {
-                for callers in &mut state.recent {
-                    callers.retain(|c| queued.contains(c));
-                }
+                state.gathering.forget_missing(&queued);
                 break;
             };
             waited = true;
@@ -204,7 +198,7 @@ impl RowBatcher {
             }
         }
         drop(unanswered);
-        lock(&self.state).last_compute = Some(started.elapsed());
+        lock(&self.state).gathering.computed(started.elapsed());
         let mut stats = lock(&self.stats);
         stats.batches += 1;
         stats.calls += batch.len() as u64;

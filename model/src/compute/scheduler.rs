@@ -10,15 +10,16 @@
 //! are queued ahead of it, the batches those need.
 //!
 //! When sessions of the last two batches have no step queued, the thread first waits a little for them
-//! (`Actor::gather`): they are most likely computing their next input at that moment (a client's LM head, the
-//! previous node's blocks). A small batch run at once would make them wait for it and then run without it, each
-//! batch paying for a pass over the weights: with 16 sessions on two cores, batches settled into 15 and 1, or two
-//! groups of about 8 taking turns.
+//! ([`Gathering`], at most [`MAX_GATHER`]): they are most likely computing their next input at that moment (a
+//! client's LM head, the previous node's blocks). A small batch run at once would make them wait for it and then
+//! run without it, each batch paying for a pass over the weights: with 16 sessions on two cores, batches settled
+//! into 15 and 1, or two groups of about 8 taking turns.
 //!
 //! Each step is checked on its own by `forward_batch`, so a bad step fails alone and leaves its session as it was.
 //! A panic inside a batch is caught: every step of that batch fails with [`SchedulerError::Panicked`] (their
 //! caches may be half-updated), and the thread goes on serving. The thread ends when every handle is dropped and
 //! the queue is empty.
+use crate::compute::gathering::Gathering;
 use crate::compute::span::{BatchStep, BlockSpan, SpanCache};
 use crate::error::ModelError;
 use candle_core::Tensor;
@@ -34,10 +35,8 @@ use tokio::sync::oneshot;
 /// Rows (positions x sequences, summed over the steps) one batch takes at most, unless a single step is larger.
 pub const DEFAULT_MAX_BATCH_ROWS: usize = 2048;
 
-/// The longest a step waits for the sessions of the last batch to join it, as a share of that batch's compute
-/// time: a wait never costs more than half a batch.
-const GATHER_SHARE: f64 = 0.5;
-/// And in absolute terms, whatever the last batch took.
+/// The longest a batch waits for the sessions of the last batches, whatever the last batch took (see
+/// [`Gathering`] for the share of its compute time that limits it first).
 const MAX_GATHER: Duration = Duration::from_millis(50);
 
 /// Why a step got no output.
@@ -125,10 +124,8 @@ impl SchedulerBuilder {
             rx,
             max_rows: self.max_rows,
             observer: self.observer,
-            gather_limit: self.gather_limit,
+            gathering: Gathering::new(MAX_GATHER, self.gather_limit),
             pending: VecDeque::new(),
-            last: None,
-            recent: [Vec::new(), Vec::new()],
         };
         std::thread::Builder::new()
             .name(format!("petal-batch-{}", self.span.range()))
@@ -279,14 +276,10 @@ struct Actor {
     rx: mpsc::Receiver<Message>,
     max_rows: usize,
     observer: Option<BatchObserver>,
-    /// The builder's [`SchedulerBuilder::gather_limit`].
-    gather_limit: Option<Duration>,
+    /// Whom a batch waits for, by session ([`SpanCache::id`]).
+    gathering: Gathering,
     /// Steps received but not yet run, oldest first.
     pending: VecDeque<Job>,
-    /// The last batch run.
-    last: Option<BatchInfo>,
-    /// The sessions ([`SpanCache::id`]) of the last two batches, the last first.
-    recent: [Vec<u64>; 2],
 }
 
 impl Actor {
@@ -307,10 +300,10 @@ impl Actor {
             let gathered = self.gather();
             let batch = self.next_batch();
             if !batch.is_empty() {
-                let ids = batch.iter().map(|j| j.step.cache.id()).collect();
-                self.recent.swap(0, 1);
-                self.recent[0] = ids;
-                self.last = Some(self.run_batch(batch, gathered));
+                self.gathering
+                    .ran(batch.iter().map(|j| j.step.cache.id()).collect());
+                let info = self.run_batch(batch, gathered);
+                self.gathering.computed(info.compute);
             }
         }
         tracing::debug!(span = %self.span.range(), "span scheduler stopped");
@@ -324,24 +317,17 @@ impl Actor {
     }
 
     /// Waits for the sessions of the last two batches that have no step queued, while the queued rows leave room
-    /// in the budget, up to [`GATHER_SHARE`] of the last batch's compute time. Sessions still missing then are
-    /// forgotten: one that left costs at most one wait. Returns how long it waited.
+    /// in the budget, up to the [`Gathering`] limit; sessions still missing then are forgotten. Returns how long it
+    /// waited.
     fn gather(&mut self) -> Duration {
-        let Some(last) = self.last else {
-            return Duration::ZERO;
-        };
         let started = Instant::now();
-        let limit = self
-            .gather_limit
-            .unwrap_or_else(|| last.compute.mul_f64(GATHER_SHARE).min(MAX_GATHER));
-        let deadline = started + limit;
+        let deadline = started + self.gathering.limit();
         let waited = |w: bool| if w { started.elapsed() } else { Duration::ZERO };
         let mut has_waited = false;
         loop {
             let queued: Vec<u64> = self.pending.iter().map(|j| j.step.cache.id()).collect();
             let rows = self.pending.iter().map(|j| j.rows).sum::<usize>();
-            let missing = self.recent.iter().flatten().any(|id| !queued.contains(id));
-            if !missing || rows >= self.max_rows {
+            if !self.gathering.missing(&queued) || rows >= self.max_rows {
                 return waited(has_waited);
             }
             if queued.is_empty() {
@@ -359,9 +345,7 @@ impl Actor {
             }
         }
         let queued: Vec<u64> = self.pending.iter().map(|j| j.step.cache.id()).collect();
-        for ids in &mut self.recent {
-            ids.retain(|id| queued.contains(id));
-        }
+        self.gathering.forget_missing(&queued);
         tracing::trace!(queued = queued.len(), "stopped waiting for steps");
         waited(has_waited)
     }
