@@ -1,4 +1,5 @@
 //! The gated feed-forward: down(act(gate(x)) * up(x)), SwiGLU or GeGLU.
+use super::swiglu::silu_mul;
 use crate::compute::family::Activation;
 use crate::compute::linear::{Linear, Stacked};
 use crate::error::{ModelError, Result};
@@ -14,6 +15,10 @@ pub struct Mlp {
 
 impl Mlp {
     pub fn run(&self, x: &Tensor) -> Result<Tensor> {
+        if let (Activation::Silu, Some((gate_up, width))) = (self.activation, self.gate_up.halves())
+        {
+            return self.down.forward(&silu_mul(&gate_up.forward(x)?, width)?);
+        }
         let [gate, up]: [Tensor; 2] = self
             .gate_up
             .forward(x)?

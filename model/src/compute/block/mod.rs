@@ -7,6 +7,7 @@ mod kv_cache;
 mod mlp;
 mod moe;
 mod rope;
+mod swiglu;
 
 pub use attention::Attention;
 use attention::SessionRows;

@@ -36,6 +36,16 @@ impl Stacked {
         Self::One(fused, widths)
     }
 
+    /// The one matrix of two parts of equal width, and that width: its output can be used whole.
+    pub fn halves(&self) -> Option<(&Linear, usize)> {
+        match self {
+            Self::One(linear, widths) if widths.len() == 2 && widths[0] == widths[1] => {
+                Some((linear, widths[0]))
+            }
+            _ => None,
+        }
+    }
+
     /// Each part's output for `x` (`[..., in]`), in order.
     pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         match self {

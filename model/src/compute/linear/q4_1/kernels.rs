@@ -130,6 +130,23 @@ macro_rules! by_tiles {
     }};
 }
 
+/// Runs `$body` for `$r` in `0..$n` (`$n` at most 8, a constant), written out row by row: as a loop, LLVM keeps
+/// the rows' accumulators on the stack (a load and a store per row and block) rather than in registers.
+#[cfg(target_arch = "x86_64")]
+macro_rules! each_row {
+    ($n:expr, |$r:ident| $body:block) => {
+        each_row!(@ $n, $r, $body, 0 1 2 3 4 5 6 7)
+    };
+    (@ $n:expr, $r:ident, $body:block, $($i:literal)*) => {
+        $(
+            if $i < $n {
+                let $r: usize = $i;
+                $body
+            }
+        )*
+    };
+}
+
 /// Eight lanes (weight rows) per vector: the group in two halves. The kernels differ only in how four byte products
 /// are summed into a 32-bit lane.
 #[cfg(target_arch = "x86_64")]
@@ -187,7 +204,7 @@ macro_rules! x86_256_kernel {
                         let wm = _mm256_cvtph_ps(_mm_loadu_si128(
                             w.m.as_ptr().add(at) as *const __m128i
                         ));
-                        for r in 0..N {
+                        each_row!(N, |r| {
                             let y = ys[r].qs.as_ptr().add(b) as *const i32;
                             let mut lo = _mm256_setzero_si256();
                             let mut hi = _mm256_setzero_si256();
@@ -211,7 +228,7 @@ macro_rules! x86_256_kernel {
                                 _mm256_mul_ps(wm, ysum),
                             );
                             acc[r] = _mm256_add_ps(acc[r], term);
-                        }
+                        });
                     }
                     for r in 0..N {
                         _mm256_storeu_ps(out[r].as_mut_ptr().add(half * LANES), acc[r]);
@@ -269,7 +286,7 @@ mod avx512_vnni {
             let at = b * GROUP_ROWS;
             let wd = _mm512_cvtph_ps(_mm256_loadu_si256(w.d.as_ptr().add(at) as *const __m256i));
             let wm = _mm512_cvtph_ps(_mm256_loadu_si256(w.m.as_ptr().add(at) as *const __m256i));
-            for r in 0..N {
+            each_row!(N, |r| {
                 let y = ys[r].qs.as_ptr().add(b) as *const i32;
                 // Two chains of four, so one row's sums do not wait on one another.
                 let mut lo = _mm512_setzero_si512();
@@ -291,7 +308,7 @@ mod avx512_vnni {
                     _mm512_mul_ps(wm, ysum),
                 );
                 acc[r] = _mm512_add_ps(acc[r], term);
-            }
+            });
         }
         for r in 0..N {
             _mm512_storeu_ps(out[r].as_mut_ptr(), acc[r]);
