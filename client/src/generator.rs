@@ -190,7 +190,12 @@ impl Generator {
     /// what the step cost (its `sample` left at zero).
     pub async fn step(&self, session: &mut Session, ids: &[u32]) -> Result<(Tensor, StepTiming)> {
         let t0 = Instant::now();
-        let hidden = compute(|| self.head.embed(ids))?;
+        // A few ids are a few row lookups: handing the worker's core over for them would cost more than they do.
+        let hidden = if ids.len() <= INLINE_EMBED_IDS {
+            self.head.embed(ids)
+        } else {
+            compute(|| self.head.embed(ids))
+        }?;
         let t1 = Instant::now();
         let out = session.forward(&hidden).await?;
         let t2 = Instant::now();
@@ -370,6 +375,9 @@ fn check_fits(len: usize, max_length: usize) -> Result<()> {
     }
     Ok(())
 }
+
+/// Ids embedded on the calling task rather than under [`compute`]: a decode step's, or a short chat turn's.
+const INLINE_EMBED_IDS: usize = 16;
 
 /// Runs synchronous model compute without stalling the async worker it is called from (see the module docs).
 pub fn compute<R>(f: impl FnOnce() -> R) -> R {

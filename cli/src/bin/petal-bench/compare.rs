@@ -20,7 +20,6 @@ use anyhow::{bail, ensure, Context, Result};
 use candle_core::{DType, Device};
 use clap::Args as ClapArgs;
 use petal_cli::LocalSwarm;
-use petal_client::generator::compute;
 use petal_client::{Generator, Session, SwarmClient};
 use petal_model::models_dir::{default_model, missing_model, DEFAULT_MODEL};
 use petal_model::{BlockRange, DeviceSpec, ModelRef, ModelSource, Placement};
@@ -253,11 +252,10 @@ async fn prefill_once(generator: &Generator, ids: &[u32]) -> Result<Duration> {
     Ok(elapsed)
 }
 
-/// Greedy: the id of the largest logit.
+/// Greedy: the id of the largest logit (one pass over a vocabulary's logits, on the calling task: handing the
+/// worker's core over would cost more).
 fn argmax(logits: &candle_core::Tensor) -> Result<u32> {
-    Ok(compute(|| {
-        logits.flatten_all()?.argmax(0)?.to_scalar::<u32>()
-    })?)
+    Ok(logits.flatten_all()?.argmax(0)?.to_scalar::<u32>()?)
 }
 
 /// Each decode step's wall time (embedding, blocks, head, argmax) and the blocks' share of it.

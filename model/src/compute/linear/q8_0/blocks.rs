@@ -73,6 +73,8 @@ pub(super) mod avx512_vnni {
 
     /// Activation rows per tile: their block sums and row sums take sixteen of the thirty-two registers.
     pub const TILE: usize = 8;
+    /// Blocks ahead whose weights a tile of several rows prefetches.
+    const AHEAD: usize = 4;
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn group_dots(w: Q8_0Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
@@ -114,6 +116,15 @@ pub(super) mod avx512_vnni {
             let mut sums: [__m512i; N] =
                 std::array::from_fn(|r| _mm512_set1_epi32(xs[r].block_offset[b]));
             let base = w.qs.as_ptr().add(b * BLOCK_QS);
+            // With several rows the tile computes long enough per block for the weights to arrive late: fetch a
+            // few blocks ahead (an LM head's 30 MB come from memory; 10% faster for 16 rows). A lone row streams
+            // fast enough that the hardware prefetcher keeps up, and the hints only cost it.
+            if N > 1 && b + AHEAD < w.blocks() {
+                let next = base.add(AHEAD * BLOCK_QS);
+                for line in (0..BLOCK_QS).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(next.add(line));
+                }
+            }
             for l in 0..QK8_0 / 4 {
                 let bw = _mm512_xor_si512(
                     _mm512_loadu_si512(base.add(l * PART_BYTES) as *const __m512i),
