@@ -58,14 +58,10 @@ impl Gathering {
         }
     }
 
-    /// Records a batch about to run (or run): its callers.
-    pub fn ran(&mut self, callers: Vec<u64>) {
+    /// Records a batch run: its callers and how long it computed.
+    pub fn ran(&mut self, callers: Vec<u64>, compute: Duration) {
         self.recent.swap(0, 1);
         self.recent[0] = callers;
-    }
-
-    /// Records how long the last batch computed.
-    pub fn computed(&mut self, compute: Duration) {
         self.last_compute = Some(compute);
     }
 }
@@ -78,14 +74,14 @@ mod tests {
     fn waits_for_the_last_two_batches_and_forgets_who_stayed_away() {
         let mut g = Gathering::new(Duration::from_millis(5), None);
         assert!(!g.missing(&[]), "nobody ran yet");
-        g.ran(vec![1, 2]);
-        g.ran(vec![3]);
+        g.ran(vec![1, 2], Duration::ZERO);
+        g.ran(vec![3], Duration::ZERO);
         assert!(g.missing(&[1, 3]));
         assert!(!g.missing(&[3, 2, 1]));
         g.forget_missing(&[1, 3]);
         assert!(!g.missing(&[1, 3]));
         // A third batch pushes the oldest out.
-        g.ran(vec![4]);
+        g.ran(vec![4], Duration::ZERO);
         assert!(!g.missing(&[4, 3]));
     }
 
@@ -93,12 +89,12 @@ mod tests {
     fn the_limit_is_half_the_last_compute_capped_or_fixed() {
         let mut g = Gathering::new(Duration::from_millis(5), None);
         assert_eq!(g.limit(), Duration::ZERO);
-        g.computed(Duration::from_millis(4));
+        g.ran(vec![], Duration::from_millis(4));
         assert_eq!(g.limit(), Duration::from_millis(2));
-        g.computed(Duration::from_secs(1));
+        g.ran(vec![], Duration::from_secs(1));
         assert_eq!(g.limit(), Duration::from_millis(5));
         let mut fixed = Gathering::new(Duration::from_millis(5), Some(Duration::from_secs(60)));
-        fixed.computed(Duration::from_millis(4));
+        fixed.ran(vec![], Duration::from_millis(4));
         assert_eq!(fixed.limit(), Duration::from_secs(60));
     }
 }

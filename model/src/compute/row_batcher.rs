@@ -49,6 +49,13 @@ struct State {
     gathering: Gathering,
 }
 
+impl State {
+    /// The callers whose rows are queued.
+    fn queued_callers(&self) -> Vec<u64> {
+        self.queue.iter().map(|r| r.caller).collect()
+    }
+}
+
 /// Batches concurrent calls of one row-wise computation; see the module docs.
 pub struct RowBatcher {
     state: Mutex<State>,
@@ -134,11 +141,8 @@ impl RowBatcher {
         });
         // The gathering caller waits for the whole set: waking it for each arrival would cost a context switch per
         // caller on the cores the others need to arrive.
-        if state.computing {
-            let queued: Vec<u64> = state.queue.iter().map(|r| r.caller).collect();
-            if !state.gathering.missing(&queued) {
-                self.arrived.notify_one();
-            }
+        if state.computing && !state.gathering.missing(&state.queued_callers()) {
+            self.arrived.notify_one();
         }
         loop {
             if let Some(done) = lock(&answer.result).take() {
@@ -149,10 +153,10 @@ impl RowBatcher {
                 state.computing = true;
                 let computing = Computing(self);
                 let (batch, gathered) = self.gather(state);
-                self.compute(&batch, gathered, &f);
+                let took = self.compute(&batch, gathered, &f);
                 lock(&self.state)
                     .gathering
-                    .ran(batch.iter().map(|r| r.caller).collect());
+                    .ran(batch.iter().map(|r| r.caller).collect(), took);
                 drop(computing);
                 state = lock(&self.state);
                 continue;
@@ -171,7 +175,7 @@ impl RowBatcher {
         let deadline = Instant::now() + state.gathering.limit();
         let mut waited = false;
         loop {
-            let queued: Vec<u64> = state.queue.iter().map(|r| r.caller).collect();
+            let queued = state.queued_callers();
             if !state.gathering.missing(&queued) {
                 break;
             }
@@ -189,8 +193,13 @@ impl RowBatcher {
         (std::mem::take(&mut state.queue), waited)
     }
 
-    /// Computes `batch` and answers each of its callers.
-    fn compute(&self, batch: &[Request], gathered: bool, f: &impl Fn(&Tensor) -> Result<Tensor>) {
+    /// Computes `batch` and answers each of its callers; returns how long it took.
+    fn compute(
+        &self,
+        batch: &[Request],
+        gathered: bool,
+        f: &impl Fn(&Tensor) -> Result<Tensor>,
+    ) -> Duration {
         let started = Instant::now();
         let unanswered = Unanswered(batch);
         match batch {
@@ -216,12 +225,13 @@ impl RowBatcher {
             }
         }
         drop(unanswered);
-        lock(&self.state).gathering.computed(started.elapsed());
+        let took = started.elapsed();
         let mut stats = lock(&self.stats);
         stats.batches += 1;
         stats.calls += batch.len() as u64;
         stats.largest = stats.largest.max(batch.len());
         stats.gathered += u64::from(gathered);
+        took
     }
 }
 

@@ -300,10 +300,9 @@ impl Actor {
             let gathered = self.gather();
             let batch = self.next_batch();
             if !batch.is_empty() {
-                self.gathering
-                    .ran(batch.iter().map(|j| j.step.cache.id()).collect());
+                let sessions = batch.iter().map(|j| j.step.cache.id()).collect();
                 let info = self.run_batch(batch, gathered);
-                self.gathering.computed(info.compute);
+                self.gathering.ran(sessions, info.compute);
             }
         }
         tracing::debug!(span = %self.span.range(), "span scheduler stopped");
@@ -325,7 +324,7 @@ impl Actor {
         let waited = |w: bool| if w { started.elapsed() } else { Duration::ZERO };
         let mut has_waited = false;
         loop {
-            let queued: Vec<u64> = self.pending.iter().map(|j| j.step.cache.id()).collect();
+            let queued = self.queued_sessions();
             let rows = self.pending.iter().map(|j| j.rows).sum::<usize>();
             if !self.gathering.missing(&queued) || rows >= self.max_rows {
                 return waited(has_waited);
@@ -344,10 +343,15 @@ impl Actor {
                 Err(mpsc::RecvTimeoutError::Disconnected) => return waited(true),
             }
         }
-        let queued: Vec<u64> = self.pending.iter().map(|j| j.step.cache.id()).collect();
+        let queued = self.queued_sessions();
         self.gathering.forget_missing(&queued);
         tracing::trace!(queued = queued.len(), "stopped waiting for steps");
         waited(has_waited)
+    }
+
+    /// The sessions ([`SpanCache::id`]) of the pending steps.
+    fn queued_sessions(&self) -> Vec<u64> {
+        self.pending.iter().map(|j| j.step.cache.id()).collect()
     }
 
     /// The oldest pending steps that fit the row budget (at least one), skipping those nobody waits for.

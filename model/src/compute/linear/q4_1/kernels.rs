@@ -138,6 +138,7 @@ macro_rules! each_row {
         each_row!(@ $n, $r, $body, 0 1 2 3 4 5 6 7)
     };
     (@ $n:expr, $r:ident, $body:block, $($i:literal)*) => {
+        const { assert!($n <= 8, "each_row! writes out at most eight rows") };
         $(
             if $i < $n {
                 let $r: usize = $i;
