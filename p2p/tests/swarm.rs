@@ -769,6 +769,11 @@ async fn connections_beyond_the_limit_are_refused() {
         }
         let third = clients[2].open_stream(peer).await;
         assert!(third.is_err(), "a third inbound connection was accepted");
+        // The refused connection may still be closing on the third client's side when its open fails, and a
+        // retry would be answered by it; the client chain closes a connection seen failing before it dials
+        // again, and so does this test.
+        clients[2].disconnect(peer, Duration::from_secs(5)).await;
+        assert!(!clients[2].connected_peers().await.contains(&peer));
         let connected = server.connected_peers().await;
         assert!(!connected.contains(&clients[2].peer_id()), "{connected:?}");
         assert_eq!(connected.len(), 2, "{connected:?}");
