@@ -187,10 +187,14 @@ impl Sampler {
         if self.params.penalises_generated() && !self.drawn.is_empty() {
             logits = self.apply_openai_penalties(&logits)?;
         }
-        let token = self
-            .processor
-            .sample(&logits)
-            .map_err(|e| ModelError::Sampling(format!("cannot sample from these logits: {e}")))?;
+        // Greedy is candle's argmax (`Sampling::ArgMax` draws nothing from the RNG), without its scalar scan.
+        let token = if self.params.is_greedy() {
+            crate::text::greedy::argmax(&logits)?
+        } else {
+            self.processor.sample(&logits).map_err(|e| {
+                ModelError::Sampling(format!("cannot sample from these logits: {e}"))
+            })?
+        };
         if self.params.penalises_generated() {
             *self.drawn.entry(token).or_default() += 1;
         }

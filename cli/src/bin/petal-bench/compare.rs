@@ -255,7 +255,7 @@ async fn prefill_once(generator: &Generator, ids: &[u32]) -> Result<Duration> {
 /// Greedy: the id of the largest logit (one pass over a vocabulary's logits, on the calling task: handing the
 /// worker's core over would cost more).
 fn argmax(logits: &candle_core::Tensor) -> Result<u32> {
-    Ok(logits.flatten_all()?.argmax(0)?.to_scalar::<u32>()?)
+    Ok(petal_model::text::greedy::argmax(logits)?)
 }
 
 /// Each decode step's wall time (embedding, blocks, head, argmax) and the blocks' share of it.

@@ -97,14 +97,7 @@ impl Probe<'_> {
             let chain = t1.elapsed();
             let t2 = Instant::now();
             // The head's work of a greedy step: LM head and argmax (the probe feeds its own ids, not this one).
-            compute(|| {
-                self.head
-                    .logits(&y)?
-                    .flatten_all()?
-                    .argmax(0)?
-                    .to_scalar::<u32>()
-                    .map_err(petal_model::ModelError::from)
-            })?;
+            compute(|| petal_model::text::greedy::argmax(&self.head.logits(&y)?))?;
             times.step(chain, embed + t2.elapsed(), local_out, &y)?;
         }
         Ok(times)
