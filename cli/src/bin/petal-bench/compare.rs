@@ -252,8 +252,8 @@ async fn prefill_once(generator: &Generator, ids: &[u32]) -> Result<Duration> {
     Ok(elapsed)
 }
 
-/// Greedy: the id of the largest logit (one pass over a vocabulary's logits, on the calling task: handing the
-/// worker's core over would cost more).
+/// Greedy: the id of the largest logit, as the sampler picks it (`greedy::argmax`, a few µs over a vocabulary's
+/// logits, so on the calling task: handing the worker's core over would cost more).
 fn argmax(logits: &candle_core::Tensor) -> Result<u32> {
     Ok(petal_model::text::greedy::argmax(logits)?)
 }
