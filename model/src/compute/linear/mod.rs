@@ -1,6 +1,7 @@
 //! Matmul weights (`y = x W^T`): candle's `QMatMul`, or our own CPU kernels for the formats where candle's are
 //! slow (Q4_1: its generic scalar loop; Q8_0: a weight row at a time, on a second thread pool): weights repacked
 //! into groups of [`GROUP_ROWS`] interleaved rows, one task per group ([`matmul_by_groups`]).
+mod amx;
 pub mod q4_1;
 pub mod q8_0;
 pub mod q8_1;
@@ -117,6 +118,8 @@ pub(crate) struct CpuFeatures {
     pub avx_vnni: bool,
     /// AVX-512 F, BW and VNNI, on top of `avx2`.
     pub avx512_vnni: bool,
+    /// AMX-INT8 tiles this process may use, on top of `avx512_vnni` (whose kernels take the rows tiles do not).
+    pub amx: bool,
 }
 
 pub(crate) fn cpu_features() -> CpuFeatures {
@@ -127,13 +130,15 @@ pub(crate) fn cpu_features() -> CpuFeatures {
             let avx2 = is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
                 && is_x86_feature_detected!("f16c");
+            let avx512_vnni = avx2
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni");
             CpuFeatures {
                 avx2,
                 avx_vnni: avx2 && is_x86_feature_detected!("avxvnni"),
-                avx512_vnni: avx2
-                    && is_x86_feature_detected!("avx512f")
-                    && is_x86_feature_detected!("avx512bw")
-                    && is_x86_feature_detected!("avx512vnni"),
+                avx512_vnni,
+                amx: avx512_vnni && amx::usable(),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]

@@ -23,6 +23,9 @@ pub enum Kernel {
     AvxVnni,
     #[cfg(target_arch = "x86_64")]
     Avx512Vnni,
+    /// AMX tiles for sixteen activation rows at a time, the 512-bit kernel for the rest.
+    #[cfg(target_arch = "x86_64")]
+    Amx,
 }
 
 impl Kernel {
@@ -41,6 +44,9 @@ impl Kernel {
             if cpu.avx512_vnni {
                 all.push(Kernel::Avx512Vnni);
             }
+            if cpu.amx {
+                all.push(Kernel::Amx);
+            }
         }
         all
     }
@@ -50,6 +56,9 @@ impl Kernel {
         #[cfg(target_arch = "x86_64")]
         {
             let cpu = super::super::cpu_features();
+            if cpu.amx {
+                return Kernel::Amx;
+            }
             if cpu.avx512_vnni {
                 return Kernel::Avx512Vnni;
             }
@@ -69,7 +78,7 @@ impl Kernel {
         assert!(ys.iter().all(|y| y.d.len() == nb) && out.len() >= ys.len());
         match self {
             Kernel::Scalar => group_scalar(w, ys, out),
-            // SAFETY (all three): `available` lists a kernel only after checking the CPU has its features;
+            // SAFETY (all four): `available` lists a kernel only after checking the CPU has its features;
             // lengths were checked above.
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx2 => unsafe { avx2::group_dots(w, ys, out) },
@@ -77,6 +86,8 @@ impl Kernel {
             Kernel::AvxVnni => unsafe { avx_vnni::group_dots(w, ys, out) },
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512Vnni => unsafe { avx512_vnni::group_dots(w, ys, out) },
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Amx => unsafe { amx::group_dots(w, ys, out) },
         }
     }
 }
@@ -130,15 +141,15 @@ macro_rules! by_tiles {
     }};
 }
 
-/// Runs `$body` for `$r` in `0..$n` (`$n` at most 8, a constant), written out row by row: as a loop, LLVM keeps
+/// Runs `$body` for `$r` in `0..$n` (`$n` at most 16, a constant), written out row by row: as a loop, LLVM keeps
 /// the rows' accumulators on the stack (a load and a store per row and block) rather than in registers.
 #[cfg(target_arch = "x86_64")]
 macro_rules! each_row {
     ($n:expr, |$r:ident| $body:block) => {
-        each_row!(@ $n, $r, $body, 0 1 2 3 4 5 6 7)
+        each_row!(@ $n, $r, $body, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15)
     };
     (@ $n:expr, $r:ident, $body:block, $($i:literal)*) => {
-        const { assert!($n <= 8, "each_row! writes out at most eight rows") };
+        const { assert!($n <= 16, "each_row! writes out at most sixteen rows") };
         $(
             if $i < $n {
                 let $r: usize = $i;
@@ -325,4 +336,135 @@ mod avx512_vnni {
             _mm512_storeu_ps(out[r].as_mut_ptr(), acc[r]);
         }
     }
+}
+
+/// Sixteen activation rows at a time: a tile multiply gives every row's integer sums for a block at once, and the
+/// vector pipes form only the float terms. The weights are unpacked once per block into the tile's layout (which
+/// the interleaved parts already are, nibble by nibble), and the next block's tile product is started before this
+/// block's float terms, so the two units overlap.
+#[cfg(target_arch = "x86_64")]
+mod amx {
+    use super::super::super::amx::{configure_thread, signed_by_unsigned, B_BYTES, TILE_ROWS};
+    use super::super::super::q8_1::Q8Row;
+    use super::super::{Q4_1Group, BLOCK_QS, GROUP_ROWS, PART_BYTES};
+    use std::arch::x86_64::*;
+
+    /// A tile's integer sums, row `r` (activation row) holding the group's sixteen weight rows.
+    type Sums = [i32; TILE_ROWS * GROUP_ROWS];
+
+    /// Two blocks' unpacked weights and sums: the one being read and the one being computed.
+    #[repr(C, align(64))]
+    struct Scratch {
+        weights: [[u8; B_BYTES]; 2],
+        sums: [Sums; 2],
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn group_dots(w: Q4_1Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+        let mut r = 0;
+        while r + TILE_ROWS <= ys.len() {
+            let (rows, out) = (&ys[r..r + TILE_ROWS], &mut out[r..r + TILE_ROWS]);
+            match row_stride(rows) {
+                Some(stride) => tile(w, rows, stride, out),
+                None => super::avx512_vnni::group_dots(w, rows, out),
+            }
+            r += TILE_ROWS;
+        }
+        if r < ys.len() {
+            super::avx512_vnni::group_dots(w, &ys[r..], &mut out[r..]);
+        }
+    }
+
+    /// The distance in bytes between consecutive rows' blocks, if the rows lie evenly spaced in one buffer (a
+    /// tile loads its rows at one stride), as [`super::super::super::q8_1::Q8Rows`] lays them out.
+    fn row_stride(ys: &[Q8Row<'_>]) -> Option<usize> {
+        let at = |i: usize| ys[i].qs.as_ptr() as usize;
+        let stride = at(1).checked_sub(at(0))?;
+        (1..ys.len())
+            .all(|i| at(i) == at(0) + i * stride)
+            .then_some(stride)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile(
+        w: Q4_1Group<'_>,
+        ys: &[Q8Row<'_>],
+        stride: usize,
+        out: &mut [[f32; GROUP_ROWS]],
+    ) {
+        configure_thread();
+        let mut scratch = Scratch {
+            weights: [[0; B_BYTES]; 2],
+            sums: [[0; TILE_ROWS * GROUP_ROWS]; 2],
+        };
+        let a = ys[0].qs.as_ptr() as *const i8;
+        let nb = w.blocks();
+        block_sums(
+            w,
+            0,
+            a,
+            stride,
+            &mut scratch.weights[0],
+            &mut scratch.sums[0],
+        );
+        let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
+        for b in 0..nb {
+            let k = b & 1;
+            if b + 1 < nb {
+                let (weights, sums) = (&mut scratch.weights[k ^ 1], &mut scratch.sums[k ^ 1]);
+                block_sums(w, b + 1, a, stride, weights, sums);
+            }
+            let sums = scratch.sums[k].as_ptr();
+            let at = b * GROUP_ROWS;
+            let wd = _mm512_cvtph_ps(_mm256_loadu_si256(w.d.as_ptr().add(at) as *const __m256i));
+            let wm = _mm512_cvtph_ps(_mm256_loadu_si256(w.m.as_ptr().add(at) as *const __m256i));
+            each_row!(TILE_ROWS, |r| {
+                let sumi = _mm512_cvtepi32_ps(_mm512_load_si512(
+                    sums.add(r * GROUP_ROWS) as *const __m512i
+                ));
+                let yd = _mm512_set1_ps(ys[r].d[b]);
+                let ysum = _mm512_set1_ps(ys[r].s[b]);
+                let term = _mm512_add_ps(
+                    _mm512_mul_ps(_mm512_mul_ps(sumi, wd), yd),
+                    _mm512_mul_ps(wm, ysum),
+                );
+                acc[r] = _mm512_add_ps(acc[r], term);
+            });
+        }
+        for (o, acc) in out.iter_mut().zip(acc) {
+            _mm512_storeu_ps(o.as_mut_ptr(), acc);
+        }
+    }
+
+    /// Block `b`'s integer sums for the tile's rows (`a`: the first row's blocks, rows `stride` bytes apart) into
+    /// `sums`, its weights unpacked into `weights` on the way: part `p`'s low nibbles are the tile's weight row
+    /// `p`, its high nibbles row `p + 4`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn block_sums(
+        w: Q4_1Group<'_>,
+        b: usize,
+        a: *const i8,
+        stride: usize,
+        weights: &mut [u8; B_BYTES],
+        sums: &mut Sums,
+    ) {
+        let mask = _mm512_set1_epi8(0x0F);
+        let base = w.qs.as_ptr().add(b * BLOCK_QS);
+        let to = weights.as_mut_ptr();
+        for p in 0..4 {
+            let packed = _mm512_loadu_si512(base.add(p * PART_BYTES) as *const __m512i);
+            _mm512_store_si512(
+                to.add(p * 64) as *mut __m512i,
+                _mm512_and_si512(packed, mask),
+            );
+            let high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
+            _mm512_store_si512(to.add((p + 4) * 64) as *mut __m512i, high);
+        }
+        signed_by_unsigned(a.add(b * BLOCK_BYTES_Y), stride, to, sums.as_mut_ptr());
+    }
+
+    /// Bytes of one activation block.
+    const BLOCK_BYTES_Y: usize = super::super::super::q8_1::QK8_1;
 }
