@@ -27,6 +27,9 @@ const KEYS_PER_CHUNK: usize = 256;
 const PARALLEL_KEYS: usize = 2048;
 /// Most query rows (group x tokens) of one tile: the rows that share each widened chunk of keys.
 const MAX_ROWS: usize = 64;
+/// Query rows of a tile up to which an f16 cache is read in place rather than widened into a buffer first: a
+/// decode step's rows are its group (3 for SmolLM2, 4 to 8 for most GQA models).
+const READ_IN_PLACE_ROWS: usize = 4;
 /// With at least this many tiles over all KV heads, every task is a whole tile (its chunks one after another);
 /// with fewer, the chunks of each tile are tasks of their own, so a decode step still uses every thread.
 const TILES_FOR_WHOLE_TILE_TASKS: usize = 16;
@@ -78,11 +81,21 @@ impl Partial {
     }
 }
 
-/// The cache's elements: f32, or f16 widened a chunk of positions at a time as they are read.
+/// The cache's elements: f32, or f16 widened as they are read (a chunk of positions at a time into a buffer, or
+/// in registers by the inner loops themselves).
 #[derive(Clone, Copy)]
 enum Elems<'a> {
     F32(&'a [f32]),
     F16(&'a [f16]),
+}
+
+impl<'a> Elems<'a> {
+    fn range(self, r: Range<usize>) -> Self {
+        match self {
+            Elems::F32(x) => Elems::F32(&x[r]),
+            Elems::F16(x) => Elems::F16(&x[r]),
+        }
+    }
 }
 
 /// Keys or values of the cache, as the kernel reads them.
@@ -105,21 +118,46 @@ impl<'a> Cache<'a> {
         }
     }
 
-    /// Rows `first..first + n` of head `h` of sequence `b` (contiguous in the cache), in f32: borrowed from an f32
-    /// cache, widened into `buf` from an f16 one.
+    /// Rows `first..first + n` of head `h` of sequence `b` (contiguous in the cache), as stored.
+    fn stored(&self, (b, h, first, n, d): (usize, usize, usize, usize, usize)) -> Elems<'a> {
+        let start = self.offset + b * self.batch_stride + h * self.head_stride + first * d;
+        self.data.range(start..start + n * d)
+    }
+
+    /// The same rows in f32: borrowed from an f32 cache, widened into `buf` from an f16 one.
     fn rows<'s>(
         &'s self,
-        (b, h, first, n, d): (usize, usize, usize, usize, usize),
+        at: (usize, usize, usize, usize, usize),
         buf: &'s mut [f32],
     ) -> &'s [f32] {
-        let start = self.offset + b * self.batch_stride + h * self.head_stride + first * d;
-        match self.data {
-            Elems::F32(x) => &x[start..start + n * d],
+        match self.stored(at) {
+            Elems::F32(x) => x,
             Elems::F16(x) => {
-                x[start..start + n * d].convert_to_f32_slice(&mut buf[..n * d]);
-                &buf[..n * d]
+                x.convert_to_f32_slice(&mut buf[..x.len()]);
+                &buf[..x.len()]
             }
         }
+    }
+
+    /// The rows as the inner loops read them: widened once into `buf` when many query rows will read each (a
+    /// prompt's tile), read where they lie when few do (a decode step's group), since widening in registers is
+    /// then cheaper than writing and reading back a copy.
+    fn for_rows<'s>(
+        &'s self,
+        at: (usize, usize, usize, usize, usize),
+        readers: usize,
+        buf: &'s mut [f32],
+    ) -> Elems<'s> {
+        if self.widens(readers) {
+            Elems::F32(self.rows(at, buf))
+        } else {
+            self.stored(at)
+        }
+    }
+
+    /// Whether [`Self::for_rows`] widens into its buffer for this many reading rows.
+    fn widens(&self, readers: usize) -> bool {
+        matches!(self.data, Elems::F16(_)) && readers > READ_IN_PLACE_ROWS
     }
 }
 
@@ -176,17 +214,21 @@ impl FlashAttention {
             let row = tile_row(r, tile, tokens);
             &q[row * d..(row + 1) * d]
         };
-        // The chunk's keys, then its values, widened once (or borrowed from an f32 cache): every query row of the
-        // tile reads them from cache, not from memory.
-        let mut buf = vec![0f32; n * d];
+        // The chunk's keys, then its values, widened once (or borrowed from an f32 cache, or read in place by a
+        // few rows): every query row of the tile reads them from cache, not from memory.
+        let mut buf = if k.widens(rows) {
+            vec![0f32; n * d]
+        } else {
+            Vec::new()
+        };
         let mut scores = vec![0f32; rows * n];
-        let kc = k.rows((b, h, keys.start, n, d), &mut buf);
+        let kc = k.for_rows((b, h, keys.start, n, d), rows, &mut buf);
         for (r, span) in spans.iter().enumerate() {
             if span.is_empty() {
                 continue;
             }
             let seen = &mut scores[r * n + span.start..r * n + span.end];
-            dots(query(r), &kc[span.start * d..span.end * d], seen);
+            dots(query(r), kc.range(span.start * d..span.end * d), seen);
             for s in seen.iter_mut() {
                 *s *= self.scale;
                 if let Some(cap) = self.softcap {
@@ -198,11 +240,11 @@ impl FlashAttention {
             partial.max[r] = max;
             partial.sum[r] = sum(seen);
         }
-        let vc = v.rows((b, h, keys.start, n, d), &mut buf);
+        let vc = v.for_rows((b, h, keys.start, n, d), rows, &mut buf);
         for (r, span) in spans.iter().enumerate() {
             let acc = &mut partial.acc[r * d..(r + 1) * d];
             let weights = &scores[r * n + span.start..r * n + span.end];
-            weighted_sum(weights, &vc[span.start * d..span.end * d], acc);
+            weighted_sum(weights, vc.range(span.start * d..span.end * d), acc);
         }
         partial
     }

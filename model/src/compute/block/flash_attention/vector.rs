@@ -2,75 +2,152 @@
 //! rows, and the softmax's shifted exponentials, in AVX2 where the CPU has it (detected at run time) with scalar
 //! fallbacks.
 
-/// `out[j] = q . k_j` for the rows `k_j` of `keys` (each as long as `q`).
-pub(super) fn dots(q: &[f32], keys: &[f32], out: &mut [f32]) {
+use super::Elems;
+
+/// `out[j] = q . k_j` for the rows `k_j` of `keys` (each as long as `q`); f16 keys are widened as they are read,
+/// exactly, so either kind gives the same sums for the same values.
+pub(super) fn dots(q: &[f32], keys: Elems<'_>, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if q.len().is_multiple_of(8) && x86::available() {
-        // SAFETY: the CPU has AVX2 and FMA; the lengths are checked by the kernel's asserts.
-        return unsafe { x86::dots(q, keys, out) };
+        // SAFETY: the CPU has AVX2, FMA and F16C; the lengths are checked by the kernels' asserts.
+        return unsafe {
+            match keys {
+                Elems::F32(k) => x86::dots(q, k, out),
+                Elems::F16(k) => x86::dots_f16(q, k, out),
+            }
+        };
     }
-    for (o, k) in out.iter_mut().zip(keys.chunks_exact(q.len())) {
-        *o = q.iter().zip(k).map(|(a, b)| a * b).sum();
+    match keys {
+        Elems::F32(k) => dots_scalar(q, k, |x| *x, out),
+        Elems::F16(k) => dots_scalar(q, k, |x| x.to_f32(), out),
     }
 }
 
-/// `acc += sum_j w_j v_j` over the rows `v_j` of `values` (each as long as `acc`).
-pub(super) fn weighted_sum(weights: &[f32], values: &[f32], acc: &mut [f32]) {
+fn dots_scalar<E>(q: &[f32], keys: &[E], widen: impl Fn(&E) -> f32, out: &mut [f32]) {
+    for (o, k) in out.iter_mut().zip(keys.chunks_exact(q.len())) {
+        *o = q.iter().zip(k).map(|(a, b)| a * widen(b)).sum();
+    }
+}
+
+/// `acc += sum_j w_j v_j` over the rows `v_j` of `values` (each as long as `acc`), f16 widened as in [`dots`].
+pub(super) fn weighted_sum(weights: &[f32], values: Elems<'_>, acc: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if acc.len().is_multiple_of(8) && x86::available() {
         // SAFETY: as in `dots`.
-        return unsafe { x86::weighted_sum(weights, values, acc) };
+        return unsafe {
+            match values {
+                Elems::F32(v) => x86::weighted_sum(weights, v, acc),
+                Elems::F16(v) => x86::weighted_sum_f16(weights, v, acc),
+            }
+        };
     }
-    for (w, v) in weights.iter().zip(values.chunks_exact(acc.len())) {
-        axpy(*w, v, acc);
+    let d = acc.len();
+    for (j, w) in weights.iter().enumerate() {
+        match values {
+            Elems::F32(v) => axpy(*w, &v[j * d..(j + 1) * d], acc),
+            Elems::F16(v) => {
+                for (y, x) in acc.iter_mut().zip(&v[j * d..(j + 1) * d]) {
+                    *y += w * x.to_f32();
+                }
+            }
+        }
     }
 }
 
 /// The two inner loops with AVX2: eight keys' dot products at once, reduced together (one horizontal reduction
-/// per eight keys instead of per key), and values accumulated in registers 64 columns at a time.
+/// per eight keys instead of per key), and values accumulated in registers 64 columns at a time. Each is written
+/// once by a macro for f32 rows and for f16 rows (widened by `vcvtph2ps` as they are loaded).
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use half::f16;
     use std::arch::x86_64::*;
 
     pub fn available() -> bool {
         static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *AVAILABLE
-            .get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+        *AVAILABLE.get_or_init(|| {
+            is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+        })
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dots(q: &[f32], keys: &[f32], out: &mut [f32]) {
-        let d = q.len();
-        let n = out.len();
-        assert!(d.is_multiple_of(8) && keys.len() >= n * d);
-        let (q, k) = (q.as_ptr(), keys.as_ptr());
-        let mut j = 0;
-        while j + 8 <= n {
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for c in (0..d).step_by(8) {
-                let qv = _mm256_loadu_ps(q.add(c));
-                for (jj, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k.add((j + jj) * d + c)), *a);
+    /// Eight elements from `$p` as f32.
+    macro_rules! load8 {
+        (f32, $p:expr) => {
+            _mm256_loadu_ps($p)
+        };
+        (f16, $p:expr) => {
+            _mm256_cvtph_ps(_mm_loadu_si128($p as *const __m128i))
+        };
+    }
+
+    macro_rules! inner_loops {
+        ($dots:ident, $weighted_sum:ident, $elem:ident) => {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub unsafe fn $dots(q: &[f32], keys: &[$elem], out: &mut [f32]) {
+                let d = q.len();
+                let n = out.len();
+                assert!(d.is_multiple_of(8) && keys.len() >= n * d);
+                let (q, k) = (q.as_ptr(), keys.as_ptr());
+                let mut j = 0;
+                while j + 8 <= n {
+                    let mut acc = [_mm256_setzero_ps(); 8];
+                    for c in (0..d).step_by(8) {
+                        let qv = _mm256_loadu_ps(q.add(c));
+                        for (jj, a) in acc.iter_mut().enumerate() {
+                            *a = _mm256_fmadd_ps(qv, load8!($elem, k.add((j + jj) * d + c)), *a);
+                        }
+                    }
+                    _mm256_storeu_ps(out.as_mut_ptr().add(j), reduce8(&acc));
+                    j += 8;
+                }
+                while j < n {
+                    let mut a = _mm256_setzero_ps();
+                    for c in (0..d).step_by(8) {
+                        a = _mm256_fmadd_ps(
+                            _mm256_loadu_ps(q.add(c)),
+                            load8!($elem, k.add(j * d + c)),
+                            a,
+                        );
+                    }
+                    let r = _mm_add_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
+                    let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+                    out[j] = _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+                    j += 1;
                 }
             }
-            _mm256_storeu_ps(out.as_mut_ptr().add(j), reduce8(&acc));
-            j += 8;
-        }
-        while j < n {
-            let mut a = _mm256_setzero_ps();
-            for c in (0..d).step_by(8) {
-                a = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(q.add(c)),
-                    _mm256_loadu_ps(k.add(j * d + c)),
-                    a,
-                );
+
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub unsafe fn $weighted_sum(weights: &[f32], values: &[$elem], acc: &mut [f32]) {
+                const BLOCK: usize = 64;
+                let d = acc.len();
+                let n = weights.len();
+                assert!(d.is_multiple_of(8) && values.len() >= n * d);
+                let v = values.as_ptr();
+                let mut c0 = 0;
+                while c0 < d {
+                    let width = BLOCK.min(d - c0) / 8;
+                    let mut regs = [_mm256_setzero_ps(); BLOCK / 8];
+                    for (i, r) in regs[..width].iter_mut().enumerate() {
+                        *r = _mm256_loadu_ps(acc.as_ptr().add(c0 + 8 * i));
+                    }
+                    for (j, w) in weights.iter().enumerate() {
+                        let w = _mm256_set1_ps(*w);
+                        for (i, r) in regs[..width].iter_mut().enumerate() {
+                            *r = _mm256_fmadd_ps(w, load8!($elem, v.add(j * d + c0 + 8 * i)), *r);
+                        }
+                    }
+                    for (i, r) in regs[..width].iter().enumerate() {
+                        _mm256_storeu_ps(acc.as_mut_ptr().add(c0 + 8 * i), *r);
+                    }
+                    c0 += BLOCK;
+                }
             }
-            let r = _mm_add_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
-            let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-            out[j] = _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
-            j += 1;
-        }
+        };
     }
+
+    inner_loops!(dots, weighted_sum, f32);
+    inner_loops!(dots_f16, weighted_sum_f16, f16);
 
     /// Eight vectors to the vector of their eight totals.
     #[inline]
@@ -87,33 +164,6 @@ mod x86 {
             _mm256_permute2f128_ps(s0123, s4567, 0x20),
             _mm256_permute2f128_ps(s0123, s4567, 0x31),
         )
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn weighted_sum(weights: &[f32], values: &[f32], acc: &mut [f32]) {
-        const BLOCK: usize = 64;
-        let d = acc.len();
-        let n = weights.len();
-        assert!(d.is_multiple_of(8) && values.len() >= n * d);
-        let v = values.as_ptr();
-        let mut c0 = 0;
-        while c0 < d {
-            let width = BLOCK.min(d - c0) / 8;
-            let mut regs = [_mm256_setzero_ps(); BLOCK / 8];
-            for (i, r) in regs[..width].iter_mut().enumerate() {
-                *r = _mm256_loadu_ps(acc.as_ptr().add(c0 + 8 * i));
-            }
-            for (j, w) in weights.iter().enumerate() {
-                let w = _mm256_set1_ps(*w);
-                for (i, r) in regs[..width].iter_mut().enumerate() {
-                    *r = _mm256_fmadd_ps(w, _mm256_loadu_ps(v.add(j * d + c0 + 8 * i)), *r);
-                }
-            }
-            for (i, r) in regs[..width].iter().enumerate() {
-                _mm256_storeu_ps(acc.as_mut_ptr().add(c0 + 8 * i), *r);
-            }
-            c0 += BLOCK;
-        }
     }
 }
 
@@ -172,6 +222,32 @@ pub(super) fn exp_shifted(xs: &mut [f32], max: f32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::f16;
+
+    #[test]
+    fn f16_rows_read_in_place_give_the_widened_rows_results_bit_for_bit() {
+        // 19 keys and values of 64 values: two groups of eight and a tail of three.
+        let d = 64;
+        let q: Vec<f32> = (0..d).map(|i| (i as f32 * 0.37).sin()).collect();
+        let halves: Vec<f16> = (0..19 * d)
+            .map(|i| f16::from_f32((i as f32 * 0.11).cos() * 3.0))
+            .collect();
+        let widened: Vec<f32> = halves.iter().map(|h| h.to_f32()).collect();
+        let (mut a, mut b) = (vec![0f32; 19], vec![0f32; 19]);
+        dots(&q, Elems::F32(&widened), &mut a);
+        dots(&q, Elems::F16(&halves), &mut b);
+        assert_eq!(a, b);
+        let weights: Vec<f32> = (0..19).map(|i| 1.0 / (i as f32 + 1.0)).collect();
+        let (mut a, mut b) = (q.clone(), q.clone());
+        weighted_sum(&weights, Elems::F32(&widened), &mut a);
+        weighted_sum(&weights, Elems::F16(&halves), &mut b);
+        assert_eq!(a, b);
+        // And the scalar fallback agrees with itself the same way.
+        let (mut a, mut b) = (vec![0f32; 19], vec![0f32; 19]);
+        dots_scalar(&q, &widened, |x| *x, &mut a);
+        dots_scalar(&q, &halves, |x| x.to_f32(), &mut b);
+        assert_eq!(a, b);
+    }
 
     #[test]
     fn exp_is_within_a_few_ulp_of_expf() {
