@@ -86,6 +86,9 @@ pub(crate) unsafe fn configure_thread() {
     if CONFIGURED.with(Cell::get) {
         return;
     }
+    // The process's permission is asked for when the features are first detected: make sure that has happened
+    // (a kernel chosen by name rather than by `Kernel::detect` would otherwise fault on its first tile load).
+    super::cpu_features();
     let mut config = TileConfig {
         palette: 1,
         start_row: 0,
@@ -100,26 +103,48 @@ pub(crate) unsafe fn configure_thread() {
     CONFIGURED.with(|c| c.set(true));
 }
 
-/// `c[r][k] = sum over j of a[r][j] * b[k][j]` for sixteen activation rows `r` of one block (signed bytes, row `r`
-/// at `a + r * a_stride`) and sixteen weight rows `k` of unsigned bytes in the [`B_BYTES`] layout.
-///
-/// # Safety
-/// [`configure_thread`] ran on this thread; `a` is readable for sixteen rows of 32 bytes at `a_stride`, `b` for
-/// [`B_BYTES`], `c` writable for 256 `i32`s.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-pub(crate) unsafe fn signed_by_unsigned(a: *const i8, a_stride: usize, b: *const u8, c: *mut i32) {
-    asm!(
-        "tilezero tmm0",
-        "tileloadd tmm1, [{a} + {a_stride}*1]",
-        "tileloadd tmm2, [{b} + {row}*1]",
-        "tdpbsud tmm0, tmm1, tmm2",
-        "tilestored [{c} + {row}*1], tmm0",
-        a = in(reg) a,
-        a_stride = in(reg) a_stride,
-        b = in(reg) b,
-        c = in(reg) c,
-        row = in(reg) 64usize,
-        options(nostack),
-    );
+/// The distance in bytes between consecutive activation rows (`at(row)`: where a row's blocks start), if they lie
+/// evenly spaced in one buffer, as a tile loads its rows at one stride.
+pub(crate) fn even_stride<T>(rows: &[T], at: impl Fn(&T) -> usize) -> Option<usize> {
+    let first = at(rows.first()?);
+    let stride = at(rows.get(1)?).checked_sub(first)?;
+    rows.iter()
+        .enumerate()
+        .all(|(i, r)| at(r) == first + i * stride)
+        .then_some(stride)
 }
+
+/// `c[r][k] = sum over j of a[r][j] * b[k][j]` for sixteen activation rows `r` of one block (signed bytes, row `r`
+/// at `a + r * a_stride`) and sixteen weight rows `k` in the [`B_BYTES`] layout, `$product` saying how the bytes
+/// are signed.
+#[cfg(target_arch = "x86_64")]
+macro_rules! tile_product {
+    ($name:ident, $b:ty, $product:literal) => {
+        /// # Safety
+        /// [`configure_thread`] ran on this thread; `a` is readable for sixteen rows of 32 bytes at `a_stride`,
+        /// `b` for [`B_BYTES`], `c` writable for 256 `i32`s.
+        #[inline]
+        pub(crate) unsafe fn $name(a: *const i8, a_stride: usize, b: *const $b, c: *mut i32) {
+            asm!(
+                "tilezero tmm0",
+                "tileloadd tmm1, [{a} + {a_stride}*1]",
+                "tileloadd tmm2, [{b} + {row}*1]",
+                concat!($product, " tmm0, tmm1, tmm2"),
+                "tilestored [{c} + {row}*1], tmm0",
+                a = in(reg) a,
+                a_stride = in(reg) a_stride,
+                b = in(reg) b,
+                c = in(reg) c,
+                row = in(reg) 64usize,
+                options(nostack),
+            );
+        }
+    };
+}
+
+// Q4_1: unsigned nibbles against signed activations.
+#[cfg(target_arch = "x86_64")]
+tile_product!(signed_by_unsigned, u8, "tdpbsud");
+// Q8_0: signed against signed.
+#[cfg(target_arch = "x86_64")]
+tile_product!(signed_by_signed, i8, "tdpbssd");

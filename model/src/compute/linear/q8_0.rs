@@ -210,6 +210,9 @@ pub enum Kernel {
     Avx2,
     #[cfg(target_arch = "x86_64")]
     Avx512Vnni,
+    /// AMX tiles for sixteen rows at a time summed by blocks (an LM head); the 512-bit kernel otherwise.
+    #[cfg(target_arch = "x86_64")]
+    Amx,
 }
 
 impl Kernel {
@@ -225,6 +228,9 @@ impl Kernel {
             if cpu.avx512_vnni {
                 all.push(Kernel::Avx512Vnni);
             }
+            if cpu.amx {
+                all.push(Kernel::Amx);
+            }
         }
         all
     }
@@ -234,6 +240,9 @@ impl Kernel {
         #[cfg(target_arch = "x86_64")]
         {
             let cpu = super::cpu_features();
+            if cpu.amx {
+                return Kernel::Amx;
+            }
             if cpu.avx512_vnni {
                 return Kernel::Avx512Vnni;
             }
@@ -264,13 +273,15 @@ impl Kernel {
             #[cfg(target_arch = "x86_64")]
             (Kernel::Avx2, Summation::Blocks) => unsafe { blocks::avx2::group_dots(w, xs, out) },
             #[cfg(target_arch = "x86_64")]
-            (Kernel::Avx512Vnni, Summation::Lanes) => unsafe {
+            (Kernel::Avx512Vnni | Kernel::Amx, Summation::Lanes) => unsafe {
                 avx512_vnni::group_dots(w, xs, out)
             },
             #[cfg(target_arch = "x86_64")]
             (Kernel::Avx512Vnni, Summation::Blocks) => unsafe {
                 blocks::avx512_vnni::group_dots(w, xs, out)
             },
+            #[cfg(target_arch = "x86_64")]
+            (Kernel::Amx, Summation::Blocks) => unsafe { blocks::amx::group_dots(w, xs, out) },
         }
     }
 }
@@ -463,14 +474,14 @@ mod tests {
 
     #[test]
     fn summed_by_blocks_every_kernel_equals_the_reference_and_candle_to_rounding() {
-        // Whole tiles of eight activation rows and every remainder.
+        // Whole tiles of eight activation rows (sixteen on AMX) and every remainder.
         let q = QTensor::quantize(&random(131, 576, 5), GgmlDType::Q8_0).unwrap();
         let ours = Q8_0Matrix::from_qtensor(&q)
             .unwrap()
             .unwrap()
             .with_summation(Summation::Blocks);
         let candle = QMatMul::from_qtensor(q).unwrap();
-        for rows in [1, 2, 3, 5, 8, 9, 15, 17, 23] {
+        for rows in [1, 2, 3, 5, 8, 9, 15, 16, 17, 23, 35] {
             let x = random(rows, 576, 7 + rows as u64);
             let (want, xs) = candle_product(&candle, &x);
             let reference = ours.matmul_with(Kernel::Scalar, &xs, rows);

@@ -322,19 +322,33 @@ mod avx512_vnni {
                         _mm512_set1_epi32(y.add(p + 4).read_unaligned()),
                     );
                 }
-                let sumi = _mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi));
-                let yd = _mm512_set1_ps(ys[r].d[b]);
-                let ysum = _mm512_set1_ps(ys[r].s[b]);
-                let term = _mm512_add_ps(
-                    _mm512_mul_ps(_mm512_mul_ps(sumi, wd), yd),
-                    _mm512_mul_ps(wm, ysum),
-                );
-                acc[r] = _mm512_add_ps(acc[r], term);
+                acc[r] = add_block_terms(acc[r], _mm512_add_epi32(lo, hi), (wd, wm), ys[r], b);
             });
         }
         for r in 0..N {
             _mm512_storeu_ps(out[r].as_mut_ptr(), acc[r]);
         }
+    }
+
+    /// `acc + ((sumi * d_w) * d_y + m_w * s_y)` for block `b` of activation row `y` and sixteen weight rows (their
+    /// integer sums `sumi`, scales `d_w`, minimums `m_w`): the reference's float terms, in its order.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn add_block_terms(
+        acc: __m512,
+        sumi: __m512i,
+        (wd, wm): (__m512, __m512),
+        y: Q8Row<'_>,
+        b: usize,
+    ) -> __m512 {
+        let sumi = _mm512_cvtepi32_ps(sumi);
+        let yd = _mm512_set1_ps(y.d[b]);
+        let ysum = _mm512_set1_ps(y.s[b]);
+        let term = _mm512_add_ps(
+            _mm512_mul_ps(_mm512_mul_ps(sumi, wd), yd),
+            _mm512_mul_ps(wm, ysum),
+        );
+        _mm512_add_ps(acc, term)
     }
 }
 
@@ -344,13 +358,19 @@ mod avx512_vnni {
 /// block's float terms, so the two units overlap.
 #[cfg(target_arch = "x86_64")]
 mod amx {
-    use super::super::super::amx::{configure_thread, signed_by_unsigned, B_BYTES, TILE_ROWS};
+    use super::super::super::amx::{
+        configure_thread, even_stride, signed_by_unsigned, B_BYTES, TILE_ROWS,
+    };
     use super::super::super::q8_1::Q8Row;
     use super::super::{Q4_1Group, BLOCK_QS, GROUP_ROWS, PART_BYTES};
     use std::arch::x86_64::*;
 
     /// A tile's integer sums, row `r` (activation row) holding the group's sixteen weight rows.
     type Sums = [i32; TILE_ROWS * GROUP_ROWS];
+
+    /// Blocks ahead whose weights are fetched: a block's tile product and float terms take long enough for the
+    /// next weights, which come from memory, to arrive late.
+    const AHEAD: usize = 4;
 
     /// Two blocks' unpacked weights and sums: the one being read and the one being computed.
     #[repr(C, align(64))]
@@ -364,7 +384,7 @@ mod amx {
         let mut r = 0;
         while r + TILE_ROWS <= ys.len() {
             let (rows, out) = (&ys[r..r + TILE_ROWS], &mut out[r..r + TILE_ROWS]);
-            match row_stride(rows) {
+            match even_stride(rows, |y| y.qs.as_ptr() as usize) {
                 Some(stride) => tile(w, rows, stride, out),
                 None => super::avx512_vnni::group_dots(w, rows, out),
             }
@@ -373,16 +393,6 @@ mod amx {
         if r < ys.len() {
             super::avx512_vnni::group_dots(w, &ys[r..], &mut out[r..]);
         }
-    }
-
-    /// The distance in bytes between consecutive rows' blocks, if the rows lie evenly spaced in one buffer (a
-    /// tile loads its rows at one stride), as [`super::super::super::q8_1::Q8Rows`] lays them out.
-    fn row_stride(ys: &[Q8Row<'_>]) -> Option<usize> {
-        let at = |i: usize| ys[i].qs.as_ptr() as usize;
-        let stride = at(1).checked_sub(at(0))?;
-        (1..ys.len())
-            .all(|i| at(i) == at(0) + i * stride)
-            .then_some(stride)
     }
 
     #[inline]
@@ -411,6 +421,12 @@ mod amx {
         let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
         for b in 0..nb {
             let k = b & 1;
+            if b + AHEAD < nb {
+                let ahead = w.qs.as_ptr().add((b + AHEAD) * BLOCK_QS);
+                for line in (0..BLOCK_QS).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.add(line) as *const i8);
+                }
+            }
             if b + 1 < nb {
                 let (weights, sums) = (&mut scratch.weights[k ^ 1], &mut scratch.sums[k ^ 1]);
                 block_sums(w, b + 1, a, stride, weights, sums);
@@ -420,16 +436,8 @@ mod amx {
             let wd = _mm512_cvtph_ps(_mm256_loadu_si256(w.d.as_ptr().add(at) as *const __m256i));
             let wm = _mm512_cvtph_ps(_mm256_loadu_si256(w.m.as_ptr().add(at) as *const __m256i));
             each_row!(TILE_ROWS, |r| {
-                let sumi = _mm512_cvtepi32_ps(_mm512_load_si512(
-                    sums.add(r * GROUP_ROWS) as *const __m512i
-                ));
-                let yd = _mm512_set1_ps(ys[r].d[b]);
-                let ysum = _mm512_set1_ps(ys[r].s[b]);
-                let term = _mm512_add_ps(
-                    _mm512_mul_ps(_mm512_mul_ps(sumi, wd), yd),
-                    _mm512_mul_ps(wm, ysum),
-                );
-                acc[r] = _mm512_add_ps(acc[r], term);
+                let sumi = _mm512_load_si512(sums.add(r * GROUP_ROWS) as *const __m512i);
+                acc[r] = super::avx512_vnni::add_block_terms(acc[r], sumi, (wd, wm), ys[r], b);
             });
         }
         for (o, acc) in out.iter_mut().zip(acc) {

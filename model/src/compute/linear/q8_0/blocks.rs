@@ -147,3 +147,80 @@ pub(super) mod avx512_vnni {
         }
     }
 }
+
+/// Sixteen activation rows at a time on AMX: a tile multiply gives a block's sixteen rows' exact sums for the
+/// group's sixteen weight rows, straight from the repacked weights (whose parts are already the tile's layout, and
+/// signed, so no offset is needed), and the vector pipes form only `(d_w * d_x) * sum`; the next block's product is
+/// started before this block's float terms. Fewer rows, or rows not evenly spaced, take the 512-bit kernel.
+#[cfg(target_arch = "x86_64")]
+pub(super) mod amx {
+    use super::super::super::amx::{configure_thread, even_stride, signed_by_signed, TILE_ROWS};
+    use super::{Q8_0Group, Q8_0Row, BLOCK_QS, GROUP_ROWS, QK8_0};
+    use std::arch::x86_64::*;
+
+    /// Two blocks' sums: the one being read and the one being computed, each row (activation row) holding the
+    /// group's sixteen weight rows.
+    /// Blocks ahead whose weights are fetched: a tile load waits for its data, and the head's weights come from
+    /// memory.
+    const AHEAD: usize = 4;
+
+    #[repr(C, align(64))]
+    struct Sums([[i32; TILE_ROWS * GROUP_ROWS]; 2]);
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn group_dots(w: Q8_0Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+        let mut i = 0;
+        while i + TILE_ROWS <= xs.len() {
+            let (rows, out) = (&xs[i..i + TILE_ROWS], &mut out[i..i + TILE_ROWS]);
+            match even_stride(rows, |x| x.qs.as_ptr() as usize) {
+                Some(stride) => tile(w, rows, stride, out),
+                None => super::avx512_vnni::group_dots(w, rows, out),
+            }
+            i += TILE_ROWS;
+        }
+        if i < xs.len() {
+            super::avx512_vnni::group_dots(w, &xs[i..], &mut out[i..]);
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile(
+        w: Q8_0Group<'_>,
+        xs: &[Q8_0Row<'_>],
+        stride: usize,
+        out: &mut [[f32; GROUP_ROWS]],
+    ) {
+        configure_thread();
+        let mut sums = Sums([[0; TILE_ROWS * GROUP_ROWS]; 2]);
+        let (a, weights) = (xs[0].qs.as_ptr() as *const i8, w.qs.as_ptr());
+        let nb = w.blocks();
+        signed_by_signed(a, stride, weights, sums.0[0].as_mut_ptr());
+        let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
+        for b in 0..nb {
+            let k = b & 1;
+            if b + AHEAD < nb {
+                let ahead = weights.add((b + AHEAD) * BLOCK_QS);
+                for line in (0..BLOCK_QS).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.add(line));
+                }
+            }
+            if b + 1 < nb {
+                let next = (a.add((b + 1) * QK8_0), weights.add((b + 1) * BLOCK_QS));
+                signed_by_signed(next.0, stride, next.1, sums.0[k ^ 1].as_mut_ptr());
+            }
+            let block = sums.0[k].as_ptr();
+            let wd = _mm512_cvtph_ps(_mm256_loadu_si256(
+                w.d.as_ptr().add(b * GROUP_ROWS) as *const __m256i
+            ));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let sum = _mm512_load_si512(block.add(r * GROUP_ROWS) as *const __m512i);
+                let d = _mm512_mul_ps(wd, _mm512_set1_ps(xs[r].d[b]));
+                *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sum), *acc);
+            }
+        }
+        for (o, acc) in out.iter_mut().zip(acc) {
+            _mm512_storeu_ps(o.as_mut_ptr(), acc);
+        }
+    }
+}
