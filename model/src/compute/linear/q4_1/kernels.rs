@@ -446,8 +446,8 @@ mod amx {
     }
 
     /// Block `b`'s integer sums for the tile's rows (`a`: the first row's blocks, rows `stride` bytes apart) into
-    /// `sums`, its weights unpacked into `weights` on the way: part `p`'s low nibbles are the tile's weight row
-    /// `p`, its high nibbles row `p + 4`.
+    /// `sums`, its weights unpacked into `weights` on the way: part `p`'s low nibbles (values `4p..4p + 4` of
+    /// every weight row) are row `p` of the tile's `B`, its high nibbles (values `4p + 16..4p + 20`) row `p + 4`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     unsafe fn block_sums(

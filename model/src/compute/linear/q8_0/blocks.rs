@@ -158,12 +158,12 @@ pub(super) mod amx {
     use super::{Q8_0Group, Q8_0Row, BLOCK_QS, GROUP_ROWS, QK8_0};
     use std::arch::x86_64::*;
 
-    /// Two blocks' sums: the one being read and the one being computed, each row (activation row) holding the
-    /// group's sixteen weight rows.
     /// Blocks ahead whose weights are fetched: a tile load waits for its data, and the head's weights come from
     /// memory.
     const AHEAD: usize = 4;
 
+    /// Two blocks' sums: the one being read and the one being computed, each row (activation row) holding the
+    /// group's sixteen weight rows.
     #[repr(C, align(64))]
     struct Sums([[i32; TILE_ROWS * GROUP_ROWS]; 2]);
 
