@@ -216,7 +216,7 @@ impl FlashAttention {
         };
         // The chunk's keys, then its values, widened once (or borrowed from an f32 cache, or read in place by a
         // few rows): every query row of the tile reads them from cache, not from memory.
-        let mut buf = if k.widens(rows) {
+        let mut buf = if k.widens(rows) || v.widens(rows) {
             vec![0f32; n * d]
         } else {
             Vec::new()
