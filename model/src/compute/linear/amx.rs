@@ -6,6 +6,7 @@
 //! alone. Rust's AMX intrinsics are unstable, so the few instructions are written out with `asm!`. Linux gives a
 //! process the tile registers only once it asks (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), and each thread must load a
 //! tile configuration before its first tile instruction: both happen here, once.
+use super::GROUP_ROWS;
 #[cfg(target_arch = "x86_64")]
 use std::arch::asm;
 #[cfg(target_arch = "x86_64")]
@@ -103,9 +104,32 @@ pub(crate) unsafe fn configure_thread() {
     CONFIGURED.with(|c| c.set(true));
 }
 
+/// Runs `tile(rows, stride, out)` on each whole tile of [`TILE_ROWS`] rows that lie evenly spaced (`at(row)`: where
+/// a row's blocks start), and `other(rows, out)` on the rest: a tile not evenly spaced, and the last rows.
+pub(crate) fn by_tiles<T>(
+    rows: &[T],
+    out: &mut [[f32; GROUP_ROWS]],
+    at: impl Fn(&T) -> usize,
+    mut tile: impl FnMut(&[T], usize, &mut [[f32; GROUP_ROWS]]),
+    mut other: impl FnMut(&[T], &mut [[f32; GROUP_ROWS]]),
+) {
+    let mut i = 0;
+    while i + TILE_ROWS <= rows.len() {
+        let (rows, out) = (&rows[i..i + TILE_ROWS], &mut out[i..i + TILE_ROWS]);
+        match even_stride(rows, &at) {
+            Some(stride) => tile(rows, stride, out),
+            None => other(rows, out),
+        }
+        i += TILE_ROWS;
+    }
+    if i < rows.len() {
+        other(&rows[i..], &mut out[i..]);
+    }
+}
+
 /// The distance in bytes between consecutive activation rows (`at(row)`: where a row's blocks start), if they lie
 /// evenly spaced in one buffer, as a tile loads its rows at one stride.
-pub(crate) fn even_stride<T>(rows: &[T], at: impl Fn(&T) -> usize) -> Option<usize> {
+fn even_stride<T>(rows: &[T], at: impl Fn(&T) -> usize) -> Option<usize> {
     let first = at(rows.first()?);
     let stride = at(rows.get(1)?).checked_sub(first)?;
     rows.iter()

@@ -41,15 +41,21 @@ pub(super) fn weighted_sum(weights: &[f32], values: Elems<'_>, acc: &mut [f32]) 
             }
         };
     }
-    let d = acc.len();
-    for (j, w) in weights.iter().enumerate() {
-        match values {
-            Elems::F32(v) => axpy(*w, &v[j * d..(j + 1) * d], acc),
-            Elems::F16(v) => {
-                for (y, x) in acc.iter_mut().zip(&v[j * d..(j + 1) * d]) {
-                    *y += w * x.to_f32();
-                }
-            }
+    match values {
+        Elems::F32(v) => weighted_sum_scalar(weights, v, |x| *x, acc),
+        Elems::F16(v) => weighted_sum_scalar(weights, v, |x| x.to_f32(), acc),
+    }
+}
+
+fn weighted_sum_scalar<E>(
+    weights: &[f32],
+    values: &[E],
+    widen: impl Fn(&E) -> f32,
+    acc: &mut [f32],
+) {
+    for (w, v) in weights.iter().zip(values.chunks_exact(acc.len())) {
+        for (y, x) in acc.iter_mut().zip(v) {
+            *y += w * widen(x);
         }
     }
 }

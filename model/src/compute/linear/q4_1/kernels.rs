@@ -359,9 +359,9 @@ mod avx512_vnni {
 #[cfg(target_arch = "x86_64")]
 mod amx {
     use super::super::super::amx::{
-        configure_thread, even_stride, signed_by_unsigned, B_BYTES, TILE_ROWS,
+        by_tiles, configure_thread, signed_by_unsigned, B_BYTES, TILE_ROWS,
     };
-    use super::super::super::q8_1::Q8Row;
+    use super::super::super::q8_1::{Q8Row, QK8_1};
     use super::super::{Q4_1Group, BLOCK_QS, GROUP_ROWS, PART_BYTES};
     use std::arch::x86_64::*;
 
@@ -381,18 +381,14 @@ mod amx {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn group_dots(w: Q4_1Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
-        let mut r = 0;
-        while r + TILE_ROWS <= ys.len() {
-            let (rows, out) = (&ys[r..r + TILE_ROWS], &mut out[r..r + TILE_ROWS]);
-            match even_stride(rows, |y| y.qs.as_ptr() as usize) {
-                Some(stride) => tile(w, rows, stride, out),
-                None => super::avx512_vnni::group_dots(w, rows, out),
-            }
-            r += TILE_ROWS;
-        }
-        if r < ys.len() {
-            super::avx512_vnni::group_dots(w, &ys[r..], &mut out[r..]);
-        }
+        // SAFETY (both): the caller's CPU has AMX and AVX-512 VNNI; lengths were checked by `Kernel::group_dots`.
+        by_tiles(
+            ys,
+            out,
+            |y| y.qs.as_ptr() as usize,
+            |rows, stride, out| unsafe { tile(w, rows, stride, out) },
+            |rows, out| unsafe { super::avx512_vnni::group_dots(w, rows, out) },
+        );
     }
 
     #[inline]
@@ -470,9 +466,6 @@ mod amx {
             let high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
             _mm512_store_si512(to.add((p + 4) * 64) as *mut __m512i, high);
         }
-        signed_by_unsigned(a.add(b * BLOCK_BYTES_Y), stride, to, sums.as_mut_ptr());
+        signed_by_unsigned(a.add(b * QK8_1), stride, to, sums.as_mut_ptr());
     }
-
-    /// Bytes of one activation block.
-    const BLOCK_BYTES_Y: usize = super::super::super::q8_1::QK8_1;
 }

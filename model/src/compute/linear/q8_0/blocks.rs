@@ -154,7 +154,7 @@ pub(super) mod avx512_vnni {
 /// started before this block's float terms. Fewer rows, or rows not evenly spaced, take the 512-bit kernel.
 #[cfg(target_arch = "x86_64")]
 pub(super) mod amx {
-    use super::super::super::amx::{configure_thread, even_stride, signed_by_signed, TILE_ROWS};
+    use super::super::super::amx::{by_tiles, configure_thread, signed_by_signed, TILE_ROWS};
     use super::{Q8_0Group, Q8_0Row, BLOCK_QS, GROUP_ROWS, QK8_0};
     use std::arch::x86_64::*;
 
@@ -169,18 +169,14 @@ pub(super) mod amx {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn group_dots(w: Q8_0Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
-        let mut i = 0;
-        while i + TILE_ROWS <= xs.len() {
-            let (rows, out) = (&xs[i..i + TILE_ROWS], &mut out[i..i + TILE_ROWS]);
-            match even_stride(rows, |x| x.qs.as_ptr() as usize) {
-                Some(stride) => tile(w, rows, stride, out),
-                None => super::avx512_vnni::group_dots(w, rows, out),
-            }
-            i += TILE_ROWS;
-        }
-        if i < xs.len() {
-            super::avx512_vnni::group_dots(w, &xs[i..], &mut out[i..]);
-        }
+        // SAFETY (both): the caller's CPU has AMX and AVX-512 VNNI; lengths were checked by `Kernel::group_dots`.
+        by_tiles(
+            xs,
+            out,
+            |x| x.qs.as_ptr() as usize,
+            |rows, stride, out| unsafe { tile(w, rows, stride, out) },
+            |rows, out| unsafe { super::avx512_vnni::group_dots(w, rows, out) },
+        );
     }
 
     #[inline]
