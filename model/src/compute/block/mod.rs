@@ -4,6 +4,7 @@ mod attention;
 mod flash_attention;
 mod host_attention;
 mod kv_cache;
+mod libm_exp;
 mod mlp;
 mod moe;
 mod rope;
