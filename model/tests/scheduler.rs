@@ -545,12 +545,11 @@ fn steps_of_the_last_batch_are_gathered_and_a_session_that_left_is_waited_for_on
     }
     let answers = answer_all(pending);
     for a in &answers {
+        // Sent 30 ms apart, the steps met only because the first waited. How long it waited is not bounded below
+        // by their spacing: the scheduler's thread starts waiting when it gets to run after the first send, which
+        // on a loaded machine may be some milliseconds later (it failed so once, with a compiler on both cores).
         assert_eq!(a.batch.sessions, 3, "{:?}", a.batch);
-        assert!(
-            a.batch.gathered >= Duration::from_millis(60),
-            "{:?}",
-            a.batch
-        );
+        assert!(a.batch.gathered > Duration::ZERO, "{:?}", a.batch);
         a.output.as_ref().unwrap();
     }
 
