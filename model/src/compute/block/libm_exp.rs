@@ -1,7 +1,8 @@
 //! `f32::exp` eight lanes at a time, bit for bit what this process's libm gives.
 //!
 //! SwiGLU's SiLU takes one `exp` per value of the feed-forward's width, and through libm's scalar `expf` (a call
-//! per value, about 5 ns) that was most of the op: 58 µs of a 16-row decode batch's 520 µs per block on two cores.
+//! per value, about 5 ns) that was most of the op: 58 µs of a 16-row decode batch's 520–660 µs per block on two
+//! cores.
 //! glibc (2.27 on, x86-64 with FMA) computes `expf` in double precision: `x * 32 / ln 2 = k + r` by adding and
 //! subtracting a shift, `2^(k/32)` from a 32-entry table, a cubic in `r`, and one rounding to f32 at the end. Every
 //! step is one IEEE operation (the fused multiply-adds fused, as its FMA build has them), so the same operations on
@@ -92,7 +93,6 @@ pub fn vector_matches_libm() -> bool {
     })
 }
 
-#[cfg(target_arch = "x86_64")]
 pub mod avx2 {
     use super::{POLY, SHIFT, SPECIAL_ABS_BITS, TABLE};
     use std::arch::x86_64::*;
@@ -192,7 +192,6 @@ mod tests {
         assert_eq!(differing, 0);
     }
 
-    #[cfg(target_arch = "x86_64")]
     #[test]
     fn eight_lanes_give_the_scalar_forms_bits() {
         if !crate::compute::linear::cpu_features().avx2 {

@@ -4,6 +4,8 @@ mod attention;
 mod flash_attention;
 mod host_attention;
 mod kv_cache;
+// Only the x86 SwiGLU path uses it.
+#[cfg(target_arch = "x86_64")]
 mod libm_exp;
 mod mlp;
 mod moe;

@@ -60,12 +60,16 @@ impl CustomOp1 for SiluMul {
 
 /// `out = silu(gate) * up`, value by value.
 fn silu_mul_row(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if crate::compute::linear::cpu_features().avx2 && super::libm_exp::vector_matches_libm() {
-        // SAFETY: AVX2 and FMA checked just above.
-        done = unsafe { avx2::silu_mul(gate, up, out) };
-    }
+    let done =
+        if crate::compute::linear::cpu_features().avx2 && super::libm_exp::vector_matches_libm() {
+            // SAFETY: AVX2 and FMA checked just above.
+            unsafe { avx2::silu_mul(gate, up, out) }
+        } else {
+            0
+        };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
     for ((o, &g), &u) in out[done..].iter_mut().zip(&gate[done..]).zip(&up[done..]) {
         *o = silu_times(g, u);
     }
