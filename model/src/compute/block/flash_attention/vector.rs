@@ -132,21 +132,43 @@ mod x86 {
                 let v = values.as_ptr();
                 let mut c0 = 0;
                 while c0 < d {
-                    let width = BLOCK.min(d - c0) / 8;
-                    let mut regs = [_mm256_setzero_ps(); BLOCK / 8];
-                    for (i, r) in regs[..width].iter_mut().enumerate() {
-                        *r = _mm256_loadu_ps(acc.as_ptr().add(c0 + 8 * i));
+                    // A constant number of vectors per block, so they stay in registers: with a run-time count
+                    // LLVM kept them on the stack, a load and a store per vector and key.
+                    let columns = (v.add(c0), acc.as_mut_ptr().add(c0));
+                    match BLOCK.min(d - c0) / 8 {
+                        8 => columns_block::<8>(weights, columns, d),
+                        7 => columns_block::<7>(weights, columns, d),
+                        6 => columns_block::<6>(weights, columns, d),
+                        5 => columns_block::<5>(weights, columns, d),
+                        4 => columns_block::<4>(weights, columns, d),
+                        3 => columns_block::<3>(weights, columns, d),
+                        2 => columns_block::<2>(weights, columns, d),
+                        _ => columns_block::<1>(weights, columns, d),
+                    }
+                    c0 += BLOCK;
+                }
+
+                /// `acc[..8W] += sum_j w_j v[j * d..j * d + 8W]`.
+                #[inline]
+                #[target_feature(enable = "avx2,fma,f16c")]
+                unsafe fn columns_block<const W: usize>(
+                    weights: &[f32],
+                    (v, acc): (*const $elem, *mut f32),
+                    d: usize,
+                ) {
+                    let mut regs = [_mm256_setzero_ps(); W];
+                    for (i, r) in regs.iter_mut().enumerate() {
+                        *r = _mm256_loadu_ps(acc.add(8 * i));
                     }
                     for (j, w) in weights.iter().enumerate() {
                         let w = _mm256_set1_ps(*w);
-                        for (i, r) in regs[..width].iter_mut().enumerate() {
-                            *r = _mm256_fmadd_ps(w, load8!($elem, v.add(j * d + c0 + 8 * i)), *r);
+                        for (i, r) in regs.iter_mut().enumerate() {
+                            *r = _mm256_fmadd_ps(w, load8!($elem, v.add(j * d + 8 * i)), *r);
                         }
                     }
-                    for (i, r) in regs[..width].iter().enumerate() {
-                        _mm256_storeu_ps(acc.as_mut_ptr().add(c0 + 8 * i), *r);
+                    for (i, r) in regs.iter().enumerate() {
+                        _mm256_storeu_ps(acc.add(8 * i), *r);
                     }
-                    c0 += BLOCK;
                 }
             }
         };
@@ -253,6 +275,29 @@ mod tests {
         dots_scalar(&q, &widened, |x| *x, &mut a);
         dots_scalar(&q, &halves, |x| x.to_f32(), &mut b);
         assert_eq!(a, b);
+    }
+
+    #[test]
+    fn weighted_sums_of_any_width_are_fused_multiply_adds_in_key_order() {
+        #[cfg(target_arch = "x86_64")]
+        if x86::available() {
+            // One block of 64 columns and less (8, 24, 64), and more (96: 64 + 32; 136: 64 + 64 + 8).
+            for d in [8, 24, 64, 96, 136] {
+                let n = 13;
+                let w: Vec<f32> = (0..n).map(|j| (j as f32 * 0.7).cos()).collect();
+                let values: Vec<f32> = (0..n * d).map(|i| (i as f32 * 0.13).sin() * 2.0).collect();
+                let start: Vec<f32> = (0..d).map(|c| c as f32 * 0.01).collect();
+                let mut want = start.clone();
+                for j in 0..n {
+                    for c in 0..d {
+                        want[c] = w[j].mul_add(values[j * d + c], want[c]);
+                    }
+                }
+                let mut got = start;
+                weighted_sum(&w, Elems::F32(&values), &mut got);
+                assert_eq!(got, want, "d = {d}");
+            }
+        }
     }
 
     #[test]
