@@ -689,22 +689,40 @@ async fn lone_node_stores_locally() {
     .await;
 }
 
+/// A server's record, put by the server, is read by a client through another peer's store. The record is a real
+/// one (signed by the server, under its key): stores keep nothing else, so the arbitrary value this test used to
+/// put was held by the putting server alone, and found only if the client's lookup happened to reach that server
+/// (once in CI it did not: the lookup found nothing, most likely because the client learned of no peer but the
+/// bootstrap node, whose store had refused the value).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_travel_between_peers() {
     bounded(async {
         let (boot, boot_addr) = bootstrap_node().await;
-        let a = server(&boot_addr).await;
+        let a_key = Keypair::generate_ed25519();
+        let mut config = NetConfig::new(a_key.clone());
+        config.dht_server = true;
+        config.listen = vec![loopback_tcp()];
+        config.bootstrap = vec![boot_addr.clone()];
+        config.record_ttl = TTL;
+        let a = Network::start(config).await.expect("network starts");
         let c = client(&boot_addr).await;
         a.bootstrap().await.expect("bootstrap");
         c.bootstrap().await.expect("bootstrap");
-        a.put_record(b"shared".to_vec(), b"from-a".to_vec(), TTL)
+        let own = ServerRecord {
+            peer_id: a.peer_id().to_string(),
+            updated_unix_ms: now_unix_ms(),
+            ttl_ms: 60_000,
+            ..record("m", 0, 4)
+        };
+        let value = sign_record(&a_key, &own).expect("sign");
+        a.put_record(server_key(&a.peer_id()), value.clone(), TTL)
             .await
             .expect("put with peers");
         let values = c
-            .get_records(b"shared".to_vec(), Duration::from_secs(5))
+            .get_records(server_key(&a.peer_id()), Duration::from_secs(5))
             .await
             .expect("get");
-        assert_eq!(values, vec![b"from-a".to_vec()]);
+        assert_eq!(values, vec![value]);
         for net in [&c, &a, &boot] {
             net.shutdown().await;
         }
