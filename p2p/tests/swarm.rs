@@ -73,6 +73,16 @@ async fn server(bootstrap: &Multiaddr) -> Network {
     start(true, vec![loopback_tcp()], vec![bootstrap.clone()]).await
 }
 
+/// A DHT server joining through `bootstrap` with `key`, for tests that sign records with it.
+async fn server_with_key(bootstrap: &Multiaddr, key: Keypair) -> Network {
+    let mut config = NetConfig::new(key);
+    config.dht_server = true;
+    config.listen = vec![loopback_tcp()];
+    config.bootstrap = vec![bootstrap.clone()];
+    config.record_ttl = TTL;
+    Network::start(config).await.expect("network starts")
+}
+
 async fn client(bootstrap: &Multiaddr) -> Network {
     start(false, vec![], vec![bootstrap.clone()]).await
 }
@@ -330,12 +340,7 @@ async fn forged_records_have_no_effect() {
         assert!(announcer.first_published(Duration::from_secs(10)).await);
 
         let mallory_key = Keypair::generate_ed25519();
-        let mut config = NetConfig::new(mallory_key.clone());
-        config.dht_server = true;
-        config.listen = vec![loopback_tcp()];
-        config.bootstrap = vec![boot_addr.clone()];
-        config.record_ttl = TTL;
-        let mallory = Network::start(config).await.expect("mallory starts");
+        let mallory = server_with_key(&boot_addr, mallory_key.clone()).await;
         mallory.bootstrap().await.expect("mallory joins");
         let target = honest.peer_id();
         let later = now_unix_ms() + 1_000;
@@ -699,12 +704,7 @@ async fn records_travel_between_peers() {
     bounded(async {
         let (boot, boot_addr) = bootstrap_node().await;
         let a_key = Keypair::generate_ed25519();
-        let mut config = NetConfig::new(a_key.clone());
-        config.dht_server = true;
-        config.listen = vec![loopback_tcp()];
-        config.bootstrap = vec![boot_addr.clone()];
-        config.record_ttl = TTL;
-        let a = Network::start(config).await.expect("network starts");
+        let a = server_with_key(&boot_addr, a_key.clone()).await;
         let c = client(&boot_addr).await;
         a.bootstrap().await.expect("bootstrap");
         c.bootstrap().await.expect("bootstrap");
