@@ -141,24 +141,6 @@ macro_rules! by_tiles {
     }};
 }
 
-/// Runs `$body` for `$r` in `0..$n` (`$n` at most 16, a constant), written out row by row: as a loop, LLVM keeps
-/// the rows' accumulators on the stack (a load and a store per row and block) rather than in registers.
-#[cfg(target_arch = "x86_64")]
-macro_rules! each_row {
-    ($n:expr, |$r:ident| $body:block) => {
-        each_row!(@ $n, $r, $body, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15)
-    };
-    (@ $n:expr, $r:ident, $body:block, $($i:literal)*) => {
-        const { assert!($n <= 16, "each_row! writes out at most sixteen rows") };
-        $(
-            if $i < $n {
-                let $r: usize = $i;
-                $body
-            }
-        )*
-    };
-}
-
 /// Eight lanes (weight rows) per vector: the group in two halves. The kernels differ only in how a block's 32 byte
 /// products per lane are summed into its 32-bit lane.
 #[cfg(target_arch = "x86_64")]
@@ -171,6 +153,8 @@ macro_rules! x86_256_kernel {
 
             /// Lanes per vector.
             const LANES: usize = 8;
+            /// Blocks ahead whose weights a tile of several rows prefetches.
+            const AHEAD: usize = 4;
 
             #[target_feature(enable = $features)]
             pub unsafe fn group_dots(
@@ -203,6 +187,13 @@ macro_rules! x86_256_kernel {
                     let mut acc = [_mm256_setzero_ps(); N];
                     for b in 0..w.blocks() {
                         let base = w.qs.as_ptr().add(b * BLOCK_QS + half * 4 * LANES);
+                        // As in the 512-bit kernel: the first half's pass brings each block from memory.
+                        if N > 1 && half == 0 && b + AHEAD < w.blocks() {
+                            let next = base.add(AHEAD * BLOCK_QS);
+                            for line in (0..BLOCK_QS).step_by(64) {
+                                _mm_prefetch::<_MM_HINT_T0>(next.add(line) as *const i8);
+                            }
+                        }
                         let mut q = [_mm256_setzero_si256(); 8];
                         for p in 0..4 {
                             let packed =
@@ -282,6 +273,9 @@ mod avx512_vnni {
     use super::super::{Q4_1Group, BLOCK_QS, GROUP_ROWS, PART_BYTES};
     use std::arch::x86_64::*;
 
+    /// Blocks ahead whose weights a tile of several rows prefetches.
+    const AHEAD: usize = 4;
+
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn group_dots(w: Q4_1Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
         // Thirty-two vector registers: eight unpacked weight parts, two scale vectors, eight accumulators.
@@ -299,6 +293,14 @@ mod avx512_vnni {
         let mut acc = [_mm512_setzero_ps(); N];
         for b in 0..w.blocks() {
             let base = w.qs.as_ptr().add(b * BLOCK_QS);
+            // With several rows a block computes long enough for the next weights, which come from memory, to
+            // arrive late: fetch a few blocks ahead. A lone row streams fast enough for the hardware prefetcher.
+            if N > 1 && b + AHEAD < w.blocks() {
+                let next = base.add(AHEAD * BLOCK_QS);
+                for line in (0..BLOCK_QS).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(next.add(line) as *const i8);
+                }
+            }
             let mut q = [_mm512_setzero_si512(); 8];
             for p in 0..4 {
                 let packed = _mm512_loadu_si512(base.add(p * PART_BYTES) as *const __m512i);

@@ -71,7 +71,8 @@ pub(super) mod avx512_vnni {
     use super::{Q8_0Group, Q8_0Row, BLOCK_QS, GROUP_ROWS, PART_BYTES, QK8_0};
     use std::arch::x86_64::*;
 
-    /// Activation rows per tile: their block sums and row sums take sixteen of the thirty-two registers.
+    /// Activation rows per tile: their accumulators and a block's eight weight vectors take sixteen of the
+    /// thirty-two registers.
     pub const TILE: usize = 8;
     /// Blocks ahead whose weights a tile of several rows prefetches.
     const AHEAD: usize = 4;
@@ -111,10 +112,6 @@ pub(super) mod avx512_vnni {
             let wd = _mm512_cvtph_ps(_mm256_loadu_si256(
                 w.d.as_ptr().add(b * GROUP_ROWS) as *const __m256i
             ));
-            // `dpbusd` takes unsigned weights: w + 128 (the sign bit flipped), and each sum starts at
-            // -128 * sum(x) to take the offset back out, so it ends as the block's exact signed sum.
-            let mut sums: [__m512i; N] =
-                std::array::from_fn(|r| _mm512_set1_epi32(xs[r].block_offset[b]));
             let base = w.qs.as_ptr().add(b * BLOCK_QS);
             // With several rows the tile computes long enough per block for the weights to arrive late: fetch a
             // few blocks ahead (an LM head's 30 MB come from memory; 10% faster for 16 rows). A lone row streams
@@ -125,22 +122,35 @@ pub(super) mod avx512_vnni {
                     _mm_prefetch::<_MM_HINT_T0>(next.add(line));
                 }
             }
-            for l in 0..QK8_0 / 4 {
-                let bw = _mm512_xor_si512(
+            // `dpbusd` takes unsigned weights: w + 128 (the sign bit flipped), and each row's sum starts at
+            // -128 * sum(x) to take the offset back out, so it ends as the block's exact signed sum.
+            let bw: [__m512i; QK8_0 / 4] = std::array::from_fn(|l| {
+                _mm512_xor_si512(
                     _mm512_loadu_si512(base.add(l * PART_BYTES) as *const __m512i),
                     flip,
-                );
-                for r in 0..N {
-                    let xq = (xs[r].qs.as_ptr().add(b) as *const i32)
-                        .add(l)
-                        .read_unaligned();
-                    sums[r] = _mm512_dpbusd_epi32(sums[r], bw, _mm512_set1_epi32(xq));
+                )
+            });
+            each_row!(N, |r| {
+                let xq = xs[r].qs.as_ptr().add(b) as *const i32;
+                // Two chains of four, so a row's products do not wait on one another; written out row by row
+                // (`each_row!`), so the accumulators stay in registers.
+                let mut lo = _mm512_set1_epi32(xs[r].block_offset[b]);
+                let mut hi = _mm512_setzero_si512();
+                for l in 0..QK8_0 / 8 {
+                    lo = _mm512_dpbusd_epi32(
+                        lo,
+                        bw[l],
+                        _mm512_set1_epi32(xq.add(l).read_unaligned()),
+                    );
+                    hi = _mm512_dpbusd_epi32(
+                        hi,
+                        bw[l + 4],
+                        _mm512_set1_epi32(xq.add(l + 4).read_unaligned()),
+                    );
                 }
-            }
-            for r in 0..N {
                 let d = _mm512_mul_ps(wd, _mm512_set1_ps(xs[r].d[b]));
-                acc[r] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sums[r]), acc[r]);
-            }
+                acc[r] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), acc[r]);
+            });
         }
         for r in 0..N {
             _mm512_storeu_ps(out[r].as_mut_ptr(), acc[r]);
