@@ -21,6 +21,30 @@ macro_rules! each_row {
     };
 }
 
+/// Blocks ahead of the one being computed whose weights a kernel asks the cache for: a tile of several activation
+/// rows (or an AMX tile) computes long enough per block for the next weights, which come from memory, to arrive
+/// late. Two measured the same as four, eight slightly slower (Q4_1, Zen 4).
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_AHEAD: usize = 4;
+
+/// Asks the first-level cache for block `b + PREFETCH_AHEAD` of a group's `blocks` blocks of `block_bytes` bytes
+/// each, the first at `first`; nothing when that block is past the last. A hint: it reads nothing and cannot fault.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_ahead<T>(first: *const T, b: usize, blocks: usize, block_bytes: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    if b + PREFETCH_AHEAD >= blocks {
+        return;
+    }
+    let block = first
+        .cast::<i8>()
+        .wrapping_add((b + PREFETCH_AHEAD) * block_bytes);
+    for line in (0..block_bytes).step_by(64) {
+        // SAFETY: a prefetch hint has no architectural effect, whatever the address; SSE is part of x86-64.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(block.wrapping_add(line)) };
+    }
+}
+
 mod amx;
 pub mod q4_1;
 pub mod q8_0;

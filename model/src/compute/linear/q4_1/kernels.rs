@@ -149,12 +149,11 @@ macro_rules! x86_256_kernel {
         mod $module {
             use super::super::super::q8_1::Q8Row;
             use super::super::{Q4_1Group, BLOCK_QS, GROUP_ROWS, PART_BYTES};
+            use crate::compute::linear::prefetch_ahead;
             use std::arch::x86_64::*;
 
             /// Lanes per vector.
             const LANES: usize = 8;
-            /// Blocks ahead whose weights a tile of several rows prefetches.
-            const AHEAD: usize = 4;
 
             #[target_feature(enable = $features)]
             pub unsafe fn group_dots(
@@ -188,11 +187,8 @@ macro_rules! x86_256_kernel {
                     for b in 0..w.blocks() {
                         let base = w.qs.as_ptr().add(b * BLOCK_QS + half * 4 * LANES);
                         // As in the 512-bit kernel: the first half's pass brings each block from memory.
-                        if N > 1 && half == 0 && b + AHEAD < w.blocks() {
-                            let next = base.add(AHEAD * BLOCK_QS);
-                            for line in (0..BLOCK_QS).step_by(64) {
-                                _mm_prefetch::<_MM_HINT_T0>(next.add(line) as *const i8);
-                            }
+                        if N > 1 && half == 0 {
+                            prefetch_ahead(w.qs.as_ptr(), b, w.blocks(), BLOCK_QS);
                         }
                         let mut q = [_mm256_setzero_si256(); 8];
                         for p in 0..4 {
@@ -271,10 +267,8 @@ x86_256_kernel!(avx_vnni, "avx2,fma,f16c,avxvnni", |q, y| {
 mod avx512_vnni {
     use super::super::super::q8_1::Q8Row;
     use super::super::{Q4_1Group, BLOCK_QS, GROUP_ROWS, PART_BYTES};
+    use crate::compute::linear::prefetch_ahead;
     use std::arch::x86_64::*;
-
-    /// Blocks ahead whose weights a tile of several rows prefetches.
-    const AHEAD: usize = 4;
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn group_dots(w: Q4_1Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
@@ -295,11 +289,8 @@ mod avx512_vnni {
             let base = w.qs.as_ptr().add(b * BLOCK_QS);
             // With several rows a block computes long enough for the next weights, which come from memory, to
             // arrive late: fetch a few blocks ahead. A lone row streams fast enough for the hardware prefetcher.
-            if N > 1 && b + AHEAD < w.blocks() {
-                let next = base.add(AHEAD * BLOCK_QS);
-                for line in (0..BLOCK_QS).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(next.add(line) as *const i8);
-                }
+            if N > 1 {
+                prefetch_ahead(w.qs.as_ptr(), b, w.blocks(), BLOCK_QS);
             }
             let mut q = [_mm512_setzero_si512(); 8];
             for p in 0..4 {
@@ -365,14 +356,11 @@ mod amx {
     };
     use super::super::super::q8_1::{Q8Row, QK8_1};
     use super::super::{Q4_1Group, BLOCK_QS, GROUP_ROWS, PART_BYTES};
+    use crate::compute::linear::prefetch_ahead;
     use std::arch::x86_64::*;
 
     /// A tile's integer sums, row `r` (activation row) holding the group's sixteen weight rows.
     type Sums = [i32; TILE_ROWS * GROUP_ROWS];
-
-    /// Blocks ahead whose weights are fetched: a block's tile product and float terms take long enough for the
-    /// next weights, which come from memory, to arrive late.
-    const AHEAD: usize = 4;
 
     /// Two blocks' unpacked weights and sums: the one being read and the one being computed.
     #[repr(C, align(64))]
@@ -419,12 +407,7 @@ mod amx {
         let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
         for b in 0..nb {
             let k = b & 1;
-            if b + AHEAD < nb {
-                let ahead = w.qs.as_ptr().add((b + AHEAD) * BLOCK_QS);
-                for line in (0..BLOCK_QS).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.add(line) as *const i8);
-                }
-            }
+            prefetch_ahead(w.qs.as_ptr(), b, nb, BLOCK_QS);
             if b + 1 < nb {
                 let (weights, sums) = (&mut scratch.weights[k ^ 1], &mut scratch.sums[k ^ 1]);
                 block_sums(w, b + 1, a, stride, weights, sums);
