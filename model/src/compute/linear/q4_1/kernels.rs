@@ -347,8 +347,9 @@ mod avx512_vnni {
 
 /// Sixteen activation rows at a time: a tile multiply gives every row's integer sums for a block at once, and the
 /// vector pipes form only the float terms. The weights are unpacked once per block into the tile's layout (which
-/// the interleaved parts already are, nibble by nibble), and the next block's tile product is started before this
-/// block's float terms, so the two units overlap.
+/// the interleaved parts already are, nibble by nibble) a block before its tile product, and that product is
+/// started a block before the float terms that read its sums, so the two units overlap and neither waits for
+/// memory just written.
 #[cfg(target_arch = "x86_64")]
 mod amx {
     use super::super::super::amx::{
@@ -358,16 +359,26 @@ mod amx {
     use super::super::{Q4_1Group, BLOCK_QS, GROUP_ROWS, PART_BYTES};
     use crate::compute::linear::prefetch_ahead;
     use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
+    use std::ptr::addr_of_mut;
 
     /// A tile's integer sums, row `r` (activation row) holding the group's sixteen weight rows.
     type Sums = [i32; TILE_ROWS * GROUP_ROWS];
 
-    /// Two blocks' unpacked weights and sums: the one being read and the one being computed.
+    /// Unpacked weights and integer sums of the blocks in flight, by block modulo [`RING`].
     #[repr(C, align(64))]
     struct Scratch {
-        weights: [[u8; B_BYTES]; 2],
-        sums: [Sums; 2],
+        weights: [[u8; B_BYTES]; RING],
+        sums: [Sums; RING],
     }
+
+    /// How far ahead of the block whose float terms are being formed its tile product is started, and its weights
+    /// unpacked (measured: one and two; any distance beyond took the same time).
+    const PRODUCT_AHEAD: usize = 1;
+    const UNPACK_AHEAD: usize = 2;
+    /// Buffers of each kind: enough that none is rewritten before it is read.
+    const RING: usize = 2;
+    const _: () = assert!(PRODUCT_AHEAD < RING && UNPACK_AHEAD - PRODUCT_AHEAD < RING);
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn group_dots(w: Q4_1Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
@@ -390,29 +401,47 @@ mod amx {
         out: &mut [[f32; GROUP_ROWS]],
     ) {
         configure_thread();
-        let mut scratch = Scratch {
-            weights: [[0; B_BYTES]; 2],
-            sums: [[0; TILE_ROWS * GROUP_ROWS]; 2],
-        };
+        // Left uninitialised (zeroing it took a tenth of the kernel's time): a block's weights are written by
+        // `unpack` and its sums by `product` before they are read.
+        let mut scratch = MaybeUninit::<Scratch>::uninit();
+        let weights = addr_of_mut!((*scratch.as_mut_ptr()).weights).cast::<[u8; B_BYTES]>();
+        let sums = addr_of_mut!((*scratch.as_mut_ptr()).sums).cast::<Sums>();
         let a = ys[0].qs.as_ptr() as *const i8;
         let nb = w.blocks();
-        block_sums(
-            w,
-            0,
-            a,
-            stride,
-            &mut scratch.weights[0],
-            &mut scratch.sums[0],
-        );
+        // Three stages in flight: block b's float terms, b + PRODUCT_AHEAD's tile product, b + UNPACK_AHEAD's
+        // unpacking. A tile load right after the stores of its weights waits for them to reach the cache, and
+        // vector loads right after a tile store wait for it.
+        for ahead in 0..UNPACK_AHEAD.min(nb) {
+            unpack(w, ahead, weights.add(ahead % RING).cast());
+        }
+        for ahead in 0..PRODUCT_AHEAD.min(nb) {
+            product(
+                a,
+                ahead,
+                stride,
+                weights.add(ahead % RING).cast(),
+                sums.add(ahead % RING).cast(),
+            );
+        }
         let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
         for b in 0..nb {
-            let k = b & 1;
+            let k = b % RING;
             prefetch_ahead(w.qs.as_ptr(), b, nb, BLOCK_QS);
-            if b + 1 < nb {
-                let (weights, sums) = (&mut scratch.weights[k ^ 1], &mut scratch.sums[k ^ 1]);
-                block_sums(w, b + 1, a, stride, weights, sums);
+            let next = b + PRODUCT_AHEAD;
+            if next < nb {
+                product(
+                    a,
+                    next,
+                    stride,
+                    weights.add(next % RING).cast(),
+                    sums.add(next % RING).cast(),
+                );
             }
-            let sums = scratch.sums[k].as_ptr();
+            let next = b + UNPACK_AHEAD;
+            if next < nb {
+                unpack(w, next, weights.add(next % RING).cast());
+            }
+            let sums = sums.add(k).cast::<i32>().cast_const();
             let at = b * GROUP_ROWS;
             let wd = _mm512_cvtph_ps(_mm256_loadu_si256(w.d.as_ptr().add(at) as *const __m256i));
             let wm = _mm512_cvtph_ps(_mm256_loadu_si256(w.m.as_ptr().add(at) as *const __m256i));
@@ -426,31 +455,27 @@ mod amx {
         }
     }
 
-    /// Block `b`'s integer sums for the tile's rows (`a`: the first row's blocks, rows `stride` bytes apart) into
-    /// `sums`, its weights unpacked into `weights` on the way: part `p`'s low nibbles (values `4p..4p + 4` of
-    /// every weight row) are row `p` of the tile's `B`, its high nibbles (values `4p + 16..4p + 20`) row `p + 4`.
+    /// Block `b`'s weights unpacked into `weights` in the layout of the tile's `B`: part `p`'s low nibbles (values
+    /// `4p..4p + 4` of every weight row) are its row `p`, its high nibbles (values `4p + 16..4p + 20`) row `p + 4`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-    unsafe fn block_sums(
-        w: Q4_1Group<'_>,
-        b: usize,
-        a: *const i8,
-        stride: usize,
-        weights: &mut [u8; B_BYTES],
-        sums: &mut Sums,
-    ) {
+    unsafe fn unpack(w: Q4_1Group<'_>, b: usize, weights: *mut u8) {
         let mask = _mm512_set1_epi8(0x0F);
         let base = w.qs.as_ptr().add(b * BLOCK_QS);
-        let to = weights.as_mut_ptr();
         for p in 0..4 {
             let packed = _mm512_loadu_si512(base.add(p * PART_BYTES) as *const __m512i);
-            _mm512_store_si512(
-                to.add(p * 64) as *mut __m512i,
-                _mm512_and_si512(packed, mask),
-            );
+            let low = _mm512_and_si512(packed, mask);
+            _mm512_store_si512(weights.add(p * 64) as *mut __m512i, low);
             let high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
-            _mm512_store_si512(to.add((p + 4) * 64) as *mut __m512i, high);
+            _mm512_store_si512(weights.add((p + 4) * 64) as *mut __m512i, high);
         }
-        signed_by_unsigned(a.add(b * QK8_1), stride, to, sums.as_mut_ptr());
+    }
+
+    /// Block `b`'s integer sums for the tile's rows (`a`: the first row's blocks, rows `stride` bytes apart)
+    /// against its unpacked `weights`, into `sums`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn product(a: *const i8, b: usize, stride: usize, weights: *const u8, sums: *mut i32) {
+        signed_by_unsigned(a.add(b * QK8_1), stride, weights, sums);
     }
 }

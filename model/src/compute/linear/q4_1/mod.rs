@@ -217,15 +217,17 @@ mod tests {
     #[test]
     fn every_kernel_equals_candle_bit_for_bit() {
         // 37 weight rows: two full groups and a partial one; activation rows around the 4-row, 8-row and 64-row
-        // tiles.
-        let (q, m) = q4_1(37, 416);
-        let candle = QMatMul::from_qtensor(q).unwrap();
-        for rows in [1, 3, 4, 5, 8, 11, 16, 67] {
-            let x = random(rows, 416, rows as u64);
-            let (want, xs) = candle_product(&candle, &x);
-            for kernel in Kernel::available() {
-                let got = m.matmul_with(kernel, &xs, rows);
-                assert_eq!(got, want, "{kernel:?}, {rows} rows");
+        // tiles; rows of one and two blocks too (shorter than the tile kernel's pipeline).
+        for cols in [416, 32, 64] {
+            let (q, m) = q4_1(37, cols);
+            let candle = QMatMul::from_qtensor(q).unwrap();
+            for rows in [1, 3, 4, 5, 8, 11, 16, 67] {
+                let x = random(rows, cols, rows as u64);
+                let (want, xs) = candle_product(&candle, &x);
+                for kernel in Kernel::available() {
+                    let got = m.matmul_with(kernel, &xs, rows);
+                    assert_eq!(got, want, "{kernel:?}, {rows} rows of {cols}");
+                }
             }
         }
     }
