@@ -3,12 +3,13 @@
 use crate::compute::linear::Linear;
 use crate::compute::placement::{normalise, Placement};
 use crate::compute::pool::on_compute_pool;
+use crate::compute::rms_norm::RmsNorm;
 use crate::compute::row_batcher::{BatchStats, RowBatcher};
 use crate::compute::spec::ModelSpec;
 use crate::compute::weights::{HeadTensor, WeightSource};
 use crate::error::{ModelError, Result};
 use candle_core::{DType, Module, Tensor};
-use candle_nn::{Embedding, RmsNorm};
+use candle_nn::Embedding;
 
 pub struct Head {
     placement: Placement,

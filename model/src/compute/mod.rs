@@ -12,6 +12,7 @@ pub mod head;
 pub mod linear;
 pub mod placement;
 pub mod pool;
+pub mod rms_norm;
 pub mod row_batcher;
 pub mod scheduler;
 pub mod source;

@@ -7,9 +7,9 @@ use super::flash_attention::FlashAttention;
 use super::kv_cache::KvCache;
 use super::rope::Rope;
 use crate::compute::linear::{Linear, Stacked};
+use crate::compute::rms_norm::RmsNorm;
 use crate::error::{ModelError, Result};
-use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::RmsNorm;
+use candle_core::{DType, Device, Tensor};
 
 /// Query rows scored at once: bounds a step's score memory to this many rows per head.
 pub(crate) const QUERY_CHUNK: usize = 256;

@@ -11,6 +11,7 @@
 use super::attention::{Attention, Projected, SessionRows};
 use super::flash_attention::Cache;
 use super::rope::HostRope;
+use crate::compute::rms_norm::RmsNorm;
 use crate::error::{ModelError, Result};
 use candle_core::{CpuStorage, Device, Layout, Storage, Tensor};
 use half::slice::HalfFloatSliceExt;
@@ -117,8 +118,7 @@ pub(crate) fn attend(
 }
 
 /// `norm` applied to each `head_dim` slice of `x` (`[1, rows, heads * head_dim]`).
-fn per_head(norm: &candle_nn::RmsNorm, x: &Tensor, heads: usize, d: usize) -> Result<Tensor> {
-    use candle_core::Module;
+fn per_head(norm: &RmsNorm, x: &Tensor, heads: usize, d: usize) -> Result<Tensor> {
     let rows = x.dim(1)?;
     Ok(norm
         .forward(&x.contiguous()?.reshape((rows, heads, d))?)?

@@ -22,11 +22,11 @@ pub use rope::{Rope, RopeParams};
 
 use crate::compute::linear::{Linear, Stacked};
 use crate::compute::placement::{normalise, Placement};
+use crate::compute::rms_norm::RmsNorm;
 use crate::compute::spec::ModelSpec;
 use crate::compute::weights::{BlockTensor, Weight, WeightSource};
 use crate::error::{ModelError, Result};
-use candle_core::{DType, Module, Tensor};
-use candle_nn::RmsNorm;
+use candle_core::{DType, Tensor};
 
 /// The block's feed-forward: one gated MLP, or a mixture of them.
 #[derive(Debug, Clone)]
