@@ -1,9 +1,10 @@
-//! Where CPU compute runs: on rayon's pool, the one every kernel of a step (ours and candle's) parallelises over.
+//! Where CPU compute runs: on a rayon pool, the one every kernel of a step (ours and candle's) parallelises over.
 //!
 //! A parallel op started from a thread outside the pool hands its work to the pool and sleeps on a lock until it
 //! is done: two context switches per op, some 150 ops per decode step. Started from a thread of the pool, the same
 //! op runs part of its work on that thread and the pool's other threads take the rest. So a whole forward is
-//! handed to the pool once, and its ops run from inside it.
+//! handed to the pool once, and its ops run from inside it: to rayon's shared pool ([`on_compute_pool`]), or, from
+//! a span scheduler's thread, to that thread's own pool, of which it is a worker ([`OwnPool`]: no hand-off at all).
 //!
 //! The pool's other threads are kept looking for work for as long as the forward runs ([`keep_awake`]): left to
 //! themselves they fall asleep between ops after a few dozen yields, and on a virtual machine a sleeping thread
@@ -24,6 +25,49 @@ pub fn on_compute_pool<R: Send>(device: &Device, f: impl FnOnce() -> R + Send) -
     }
 }
 
+/// A compute pool whose first worker is the thread that made it (a span scheduler's): a forward that thread
+/// starts runs there at once, where [`on_compute_pool`] hands it to the shared pool and sleeps until it is done,
+/// two thread wake-ups per batch (some 50 us each on a virtual machine, on every hop of a chain). Kernels called
+/// inside take this pool's threads (rayon's calls use the pool of the thread they run on).
+pub struct OwnPool {
+    /// `None` off the CPU, or when the pool could not start: forwards then go through [`on_compute_pool`].
+    pool: Option<rayon::ThreadPool>,
+}
+
+impl OwnPool {
+    /// A pool of as many threads as the shared one (`RAYON_NUM_THREADS`, or one per CPU), the calling thread
+    /// included, when `device` is the CPU.
+    pub fn on_this_thread(device: &Device, name: &str) -> Self {
+        if !device.is_cpu() || rayon::current_thread_index().is_some() {
+            return Self { pool: None };
+        }
+        let prefix = name.to_string();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .thread_name(move |i| format!("{prefix}-{i}"))
+            .use_current_thread()
+            .build();
+        match pool {
+            Ok(pool) => Self { pool: Some(pool) },
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start a compute pool; the shared one serves instead");
+                Self { pool: None }
+            }
+        }
+    }
+
+    /// Runs `f` on this thread, the pool's other threads kept looking for its work until it returns.
+    pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        match &self.pool {
+            Some(_) => {
+                let done = AtomicBool::new(false);
+                // On a thread of the pool, `scope` runs its body right here.
+                rayon::scope(|scope| keep_awake(scope, &done, f))
+            }
+            None => f(),
+        }
+    }
+}
+
 /// Runs `f` on this thread of the pool while every other thread of the pool looks for work (running any it
 /// finds) instead of sleeping, until `f` returns and sets `done`. Work they find may be another region's (two
 /// spans in one process): it runs to its end before that thread checks `done` again, so the two regions finish
@@ -41,14 +85,23 @@ fn keep_awake<'s, R>(scope: &rayon::Scope<'s>, done: &'s AtomicBool, f: impl FnO
             }
         }
     });
-    let result = f();
-    done.store(true, Ordering::Release);
-    result
+    // Set however `f` ends: a panic leaves through the scope, which first waits for the jobs above.
+    let _done = SetOnDrop(done);
+    f()
+}
+
+/// Sets its flag when dropped.
+struct SetOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for SetOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::on_compute_pool;
+    use super::{on_compute_pool, OwnPool};
     use candle_core::Device;
     use rayon::prelude::*;
 
@@ -78,5 +131,48 @@ mod tests {
                 "region {i}: {sums:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_panicking_forward_reaches_its_caller_and_the_pools_serve_on() {
+        // The other threads wait for the forward to end: a panic must end it too.
+        let panicked = std::panic::catch_unwind(|| {
+            on_compute_pool(&Device::Cpu, || -> u64 { panic!("a forward failed") })
+        });
+        assert!(panicked.is_err());
+        assert_eq!(
+            on_compute_pool(&Device::Cpu, || (0..100u64).into_par_iter().sum::<u64>()),
+            4950
+        );
+        std::thread::spawn(|| {
+            let pool = OwnPool::on_this_thread(&Device::Cpu, "test");
+            let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                pool.run(|| -> u64 { panic!("a forward failed") })
+            }));
+            assert!(panicked.is_err());
+            assert_eq!(pool.run(|| (0..100u64).into_par_iter().sum::<u64>()), 4950);
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn a_thread_owning_a_pool_computes_there() {
+        std::thread::spawn(|| {
+            let pool = OwnPool::on_this_thread(&Device::Cpu, "test");
+            let here = std::thread::current().id();
+            let (ran_on, sum) = pool.run(|| {
+                let sum = (0..20_000u64).into_par_iter().map(|x| x * 3).sum::<u64>();
+                (std::thread::current().id(), sum)
+            });
+            assert_eq!((ran_on, sum), (here, 3 * (0..20_000u64).sum::<u64>()));
+            // A forward started on this thread outside `run` runs here too.
+            assert_eq!(
+                on_compute_pool(&Device::Cpu, || std::thread::current().id()),
+                here
+            );
+        })
+        .join()
+        .unwrap();
     }
 }

@@ -1,5 +1,6 @@
 //! Continuous batching for one span: a [`SpanScheduler`] owns the compute of one `Arc<BlockSpan>` on a dedicated
-//! OS thread, and every session's step goes through it.
+//! OS thread, and every session's step goes through it. On the CPU that thread is the first worker of the span's
+//! own compute pool ([`OwnPool`]), so a batch starts computing on the thread that took it.
 //!
 //! A caller moves its session's [`SpanCache`] in with the step ([`SessionStep`]) and gets it back with the output
 //! ([`Stepped`]), whether the step succeeded or failed. The thread waits for at least one step, then takes
@@ -20,6 +21,7 @@
 //! caches may be half-updated), and the thread goes on serving. The thread ends when every handle is dropped and
 //! the queue is empty.
 use crate::compute::gathering::Gathering;
+use crate::compute::pool::OwnPool;
 use crate::compute::span::{BatchStep, BlockSpan, SpanCache};
 use crate::error::ModelError;
 use candle_core::Tensor;
@@ -285,6 +287,10 @@ struct Actor {
 impl Actor {
     fn run(mut self) {
         tracing::debug!(span = %self.span.range(), max_rows = self.max_rows, "span scheduler started");
+        let pool = OwnPool::on_this_thread(
+            &self.span.input_placement().device,
+            &format!("petal-compute-{}", self.span.range()),
+        );
         loop {
             if self.pending.is_empty() {
                 match self.rx.recv() {
@@ -301,7 +307,7 @@ impl Actor {
             let batch = self.next_batch();
             if !batch.is_empty() {
                 let sessions = batch.iter().map(|j| j.step.cache.id()).collect();
-                let info = self.run_batch(batch, gathered);
+                let info = self.run_batch(&pool, batch, gathered);
                 self.gathering.ran(sessions, info.compute);
             }
         }
@@ -375,7 +381,7 @@ impl Actor {
         batch
     }
 
-    fn run_batch(&self, batch: Vec<Job>, gathered: Duration) -> BatchInfo {
+    fn run_batch(&self, pool: &OwnPool, batch: Vec<Job>, gathered: Duration) -> BatchInfo {
         let sessions = batch.len();
         let rows = batch.iter().map(|j| j.rows).sum::<usize>();
         let mut caches = Vec::with_capacity(sessions);
@@ -400,7 +406,7 @@ impl Actor {
                 .collect();
             let span = &self.span;
             match catch_unwind(AssertUnwindSafe(|| {
-                let outputs = span.forward_batch(&mut steps);
+                let outputs = pool.run(|| span.forward_batch(&mut steps));
                 // GPU kernels run asynchronously: wait for them, so the batch's compute time is its real one.
                 for out in outputs.iter().flatten() {
                     if let Err(e) = out.device().synchronize() {
