@@ -6,13 +6,20 @@
 //! handed to the pool once, and its ops run from inside it: to rayon's shared pool ([`on_compute_pool`]), or, from
 //! a span scheduler's thread, to that thread's own pool, of which it is a worker ([`OwnPool`]: no hand-off at all).
 //!
-//! The pool's other threads are kept looking for work for as long as the forward runs ([`keep_awake`]): left to
+//! The pool's other threads are kept looking for work while the forward runs ([`keep_awake`]; a thread that finds
+//! none for [`IDLE_SPIN`], longer than a forward's serial steps, stops looking): left to
 //! themselves they fall asleep between ops after a few dozen yields, and on a virtual machine a sleeping thread
 //! takes longer to wake than many of a step's ops take to run: the thread that started an op then ran all of it
 //! while the other woke up, only to fall asleep again (a profile of sixteen sessions on two cores: one core idle
 //! a fifth of the batch).
 use candle_core::Device;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long a thread kept awake by [`keep_awake`] looks for work before it gives up: longer than the serial steps
+/// between a forward's parallel ops (a norm, a session's attention set-up: tens of microseconds), short enough
+/// that a thread holding up the forward's own work by waiting there (see `keep_awake`) costs it little.
+const IDLE_SPIN: Duration = Duration::from_micros(200);
 
 /// Runs `f` on a thread of the compute pool when `device` is the CPU (inline when already on one, and on other
 /// devices, whose kernels do not use the pool).
@@ -69,7 +76,7 @@ impl OwnPool {
 }
 
 /// Runs `f` on this thread of the pool while every other thread of the pool looks for work (running any it
-/// finds) instead of sleeping, until `f` returns and sets `done`. Work they find may be another region's (two
+/// finds) instead of sleeping, until `f` returns and sets `done` (or it has found nothing for [`IDLE_SPIN`]). Work they find may be another region's (two
 /// spans in one process): it runs to its end before that thread checks `done` again, so the two regions finish
 /// together, as they would if that thread had been asleep and taken the other region's work on waking.
 fn keep_awake<'s, R>(scope: &rayon::Scope<'s>, done: &'s AtomicBool, f: impl FnOnce() -> R) -> R {
@@ -79,10 +86,20 @@ fn keep_awake<'s, R>(scope: &rayon::Scope<'s>, done: &'s AtomicBool, f: impl FnO
         if Some(ctx.index()) == owner {
             return;
         }
+        // This job may also have been taken by a thread waiting inside the region's own work (a join whose other
+        // half another thread took), and that work cannot finish until the job returns: so it returns once it has
+        // found nothing to do for a while, as an idle thread would fall asleep, only later.
+        let mut idle_since = None;
         while !done.load(Ordering::Acquire) {
-            if rayon::yield_now() != Some(rayon::Yield::Executed) {
-                std::thread::yield_now();
+            if rayon::yield_now() == Some(rayon::Yield::Executed) {
+                idle_since = None;
+                continue;
             }
+            let now = Instant::now();
+            if now.duration_since(*idle_since.get_or_insert(now)) > IDLE_SPIN {
+                return;
+            }
+            std::thread::yield_now();
         }
     });
     // Set however `f` ends: a panic leaves through the scope, which first waits for the jobs above.
@@ -131,6 +148,33 @@ mod tests {
                 "region {i}: {sums:?}"
             );
         }
+    }
+
+    #[test]
+    fn regions_beside_work_started_outside_any_region_do_not_wait_on_each_other() {
+        // A region's spinning job can be taken by a thread in the middle of the region's own work (waiting inside
+        // a join for a half another thread took): it must not wait there for the region to end. Work injected
+        // from outside the pool (candle's ops, called from another thread) makes that likely.
+        let (finished_tx, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let nested = |i: u64| {
+                (0..64u64)
+                    .into_par_iter()
+                    .map(|j| (0..256u64).into_par_iter().map(|k| k ^ j ^ i).sum::<u64>())
+                    .sum::<u64>()
+            };
+            let outside = std::thread::spawn(move || (0..3000).map(nested).sum::<u64>());
+            let regions: u64 = (0..3000)
+                .map(|i| on_compute_pool(&Device::Cpu, || nested(i)))
+                .sum();
+            let _ = finished_tx.send(regions == outside.join().unwrap());
+        });
+        let same = finished.recv_timeout(std::time::Duration::from_secs(60));
+        assert_eq!(
+            same,
+            Ok(true),
+            "the regions and the outside work did not both finish"
+        );
     }
 
     #[test]
