@@ -15,7 +15,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 use std::ops::Range;
-use vector::{axpy, dots, exp_shifted, sum, weighted_sum};
+use vector::{axpy, dots, exp_shifted, max, sum, weighted_sum};
 
 mod vector;
 
@@ -235,9 +235,9 @@ impl FlashAttention {
                     *s = cap * (*s / cap).tanh();
                 }
             }
-            let max = seen.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            exp_shifted(seen, max);
-            partial.max[r] = max;
+            let peak = max(seen);
+            exp_shifted(seen, peak);
+            partial.max[r] = peak;
             partial.sum[r] = sum(seen);
         }
         let vc = v.for_rows((b, h, keys.start, n, d), rows, &mut buf);
@@ -312,8 +312,17 @@ impl FlashAttention {
         // Merge each tile's partials (consecutive), then normalise every row by its sum.
         for parts in partials.chunk_by(|a, b| (a.0, &a.1) == (b.0, &b.1)) {
             let (bh, tile) = (parts[0].0, &parts[0].1);
-            let mut merged = Partial::empty(group * tile.len(), d);
-            parts.iter().for_each(|(_, _, p)| merged.merge(p));
+            // A tile whose keys were one task (every decode step's, up to a long context) is already whole:
+            // merged into an empty partial it would come back the same, bit for bit.
+            let mut folded = None;
+            let merged = match parts {
+                [(_, _, whole)] => whole,
+                _ => folded.insert({
+                    let mut merged = Partial::empty(group * tile.len(), d);
+                    parts.iter().for_each(|(_, _, p)| merged.merge(p));
+                    merged
+                }),
+            };
             for r in 0..group * tile.len() {
                 let row = bh * group * tokens + tile_row(r, tile, tokens);
                 let o = &mut out[row * d..(row + 1) * d];
@@ -434,6 +443,64 @@ impl CustomOp3 for FlashAttention {
 mod tests {
     use super::*;
     use candle_core::{DType, Device, Tensor};
+
+    #[test]
+    fn a_partial_merged_into_an_empty_one_comes_back_bit_for_bit() {
+        // What lets `compute` skip merging a tile of one task: a chunk's partial, rows that saw keys and one
+        // that saw none.
+        let (rows, d, n) = (4, 64, 37);
+        let keys = random(&[n, d], 3)
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let values = random(&[n, d], 4)
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let q = random(&[rows, d], 5)
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        fn cache(data: &[f32], stride: usize) -> Cache<'_> {
+            Cache {
+                data: Elems::F32(data),
+                offset: 0,
+                batch_stride: stride,
+                head_stride: stride,
+            }
+        }
+        let op = FlashAttention {
+            scale: 0.125,
+            softcap: None,
+            window: Some(30),
+            position: n - rows,
+            group: 1,
+        };
+        // Keys 0..7 of a chunk: the last query rows see none of them through the window.
+        let (k, v) = (cache(&keys, n * d), cache(&values, n * d));
+        for keys in [0..n, 0..7] {
+            let part = op.chunk(&q, (k, v), (0, 0, rows, d), &(0..rows), keys);
+            let mut merged = Partial::empty(rows, d);
+            merged.merge(&part);
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            for r in 0..rows {
+                if part.sum[r] == 0.0 {
+                    // Normalised to zeros either way.
+                    assert_eq!(merged.sum[r], 0.0);
+                    assert!(part.acc[r * d..(r + 1) * d]
+                        .iter()
+                        .all(|a| a.to_bits() == 0));
+                    continue;
+                }
+                assert_eq!(merged.max[r].to_bits(), part.max[r].to_bits());
+                assert_eq!(merged.sum[r].to_bits(), part.sum[r].to_bits());
+            }
+            assert_eq!(bits(&merged.acc), bits(&part.acc));
+        }
+    }
 
     fn random(dims: &[usize], seed: u64) -> Tensor {
         let n: usize = dims.iter().product();
