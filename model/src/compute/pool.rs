@@ -25,8 +25,7 @@ const IDLE_SPIN: Duration = Duration::from_micros(200);
 /// devices, whose kernels do not use the pool).
 pub fn on_compute_pool<R: Send>(device: &Device, f: impl FnOnce() -> R + Send) -> R {
     if device.is_cpu() && rayon::current_thread_index().is_none() {
-        let done = AtomicBool::new(false);
-        rayon::scope(|scope| keep_awake(scope, &done, f))
+        awake_scope(f)
     } else {
         f()
     }
@@ -65,20 +64,25 @@ impl OwnPool {
     /// Runs `f` on this thread, the pool's other threads kept looking for its work until it returns.
     pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         match &self.pool {
-            Some(_) => {
-                let done = AtomicBool::new(false);
-                // On a thread of the pool, `scope` runs its body right here.
-                rayon::scope(|scope| keep_awake(scope, &done, f))
-            }
+            // On a thread of the pool, a scope runs its body right here.
+            Some(_) => awake_scope(f),
             None => f(),
         }
     }
 }
 
+/// `f` in a rayon scope (of the shared pool when called from outside it, right here on a thread of a pool), with
+/// [`keep_awake`].
+fn awake_scope<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    let done = AtomicBool::new(false);
+    rayon::scope(|scope| keep_awake(scope, &done, f))
+}
+
 /// Runs `f` on this thread of the pool while every other thread of the pool looks for work (running any it
-/// finds) instead of sleeping, until `f` returns and sets `done` (or it has found nothing for [`IDLE_SPIN`]). Work they find may be another region's (two
-/// spans in one process): it runs to its end before that thread checks `done` again, so the two regions finish
-/// together, as they would if that thread had been asleep and taken the other region's work on waking.
+/// finds) instead of sleeping, until `f` returns and sets `done`, or it has found nothing for [`IDLE_SPIN`].
+/// Work they find may be another region's (two spans in one process): it runs to its end before that thread
+/// checks `done` again, so the two regions finish together, as they would if that thread had been asleep and
+/// taken the other region's work on waking.
 fn keep_awake<'s, R>(scope: &rayon::Scope<'s>, done: &'s AtomicBool, f: impl FnOnce() -> R) -> R {
     let owner = rayon::current_thread_index();
     scope.spawn_broadcast(move |_, ctx| {

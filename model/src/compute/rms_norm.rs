@@ -84,8 +84,11 @@ fn normalise_rows(src: &[f32], alpha: &[f32], eps: f32, dst: &mut [f32]) {
 /// as `iter().map(|v| v * v).sum::<f32>()` adds them.
 fn squares(rows: &[f32], n: usize) -> [f32; LANES] {
     #[cfg(target_arch = "x86_64")]
-    if rows.len() == LANES * n && super::linear::cpu_features().avx512_vnni {
-        // SAFETY: AVX-512 is present (F is all this needs); the slice holds LANES rows of n values.
+    // The gather's offsets are 32-bit: every row's start must fit.
+    let offsets_fit = n <= i32::MAX as usize / LANES;
+    if rows.len() == LANES * n && offsets_fit && super::linear::cpu_features().avx512_vnni {
+        // SAFETY: AVX-512 is present (F is all this needs); the slice holds LANES rows of n values, and row
+        // LANES - 1's start, (LANES - 1) * n, fits an i32.
         return unsafe { squares_avx512(rows, n) };
     }
     // std's float sum starts from -0.0; the first addition gives the first square exactly either way.
@@ -101,7 +104,7 @@ fn squares(rows: &[f32], n: usize) -> [f32; LANES] {
 #[target_feature(enable = "avx512f")]
 unsafe fn squares_avx512(rows: &[f32], n: usize) -> [f32; LANES] {
     use std::arch::x86_64::*;
-    let stride = i32::try_from(n).unwrap_or(i32::MAX);
+    let stride = n as i32;
     let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     let offsets = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(stride));
     let mut acc = _mm512_set1_ps(-0.0);
