@@ -365,20 +365,13 @@ mod amx {
     /// A tile's integer sums, row `r` (activation row) holding the group's sixteen weight rows.
     type Sums = [i32; TILE_ROWS * GROUP_ROWS];
 
-    /// Unpacked weights and integer sums of the blocks in flight, by block modulo [`RING`].
+    /// Two blocks' unpacked weights and sums, by block parity: one block's being read while the next one's are
+    /// written.
     #[repr(C, align(64))]
     struct Scratch {
-        weights: [[u8; B_BYTES]; RING],
-        sums: [Sums; RING],
+        weights: [[u8; B_BYTES]; 2],
+        sums: [Sums; 2],
     }
-
-    /// How far ahead of the block whose float terms are being formed its tile product is started, and its weights
-    /// unpacked (measured: one and two; any distance beyond took the same time).
-    const PRODUCT_AHEAD: usize = 1;
-    const UNPACK_AHEAD: usize = 2;
-    /// Buffers of each kind: enough that none is rewritten before it is read.
-    const RING: usize = 2;
-    const _: () = assert!(PRODUCT_AHEAD < RING && UNPACK_AHEAD - PRODUCT_AHEAD < RING);
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn group_dots(w: Q4_1Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
@@ -408,38 +401,25 @@ mod amx {
         let sums = addr_of_mut!((*scratch.as_mut_ptr()).sums).cast::<Sums>();
         let a = ys[0].qs.as_ptr() as *const i8;
         let nb = w.blocks();
-        // Three stages in flight: block b's float terms, b + PRODUCT_AHEAD's tile product, b + UNPACK_AHEAD's
-        // unpacking. A tile load right after the stores of its weights waits for them to reach the cache, and
-        // vector loads right after a tile store wait for it.
-        for ahead in 0..UNPACK_AHEAD.min(nb) {
-            unpack(w, ahead, weights.add(ahead % RING).cast());
-        }
-        for ahead in 0..PRODUCT_AHEAD.min(nb) {
-            product(
-                a,
-                ahead,
-                stride,
-                weights.add(ahead % RING).cast(),
-                sums.add(ahead % RING).cast(),
-            );
+        // Three stages in flight: block b's float terms, b + 1's tile product, b + 2's unpacking (measured: any
+        // distance beyond took the same time). A tile load right after the stores of its weights waits for them to
+        // reach the cache, and vector loads right after a tile store wait for it.
+        unpack(w, 0, weights.cast());
+        product(a, 0, stride, weights.cast(), sums.cast());
+        if nb > 1 {
+            unpack(w, 1, weights.add(1).cast());
         }
         let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
         for b in 0..nb {
-            let k = b % RING;
+            let k = b & 1;
             prefetch_ahead(w.qs.as_ptr(), b, nb, BLOCK_QS);
-            let next = b + PRODUCT_AHEAD;
-            if next < nb {
-                product(
-                    a,
-                    next,
-                    stride,
-                    weights.add(next % RING).cast(),
-                    sums.add(next % RING).cast(),
-                );
+            if b + 1 < nb {
+                let (next_weights, next_sums) = (weights.add(k ^ 1), sums.add(k ^ 1));
+                product(a, b + 1, stride, next_weights.cast(), next_sums.cast());
             }
-            let next = b + UNPACK_AHEAD;
-            if next < nb {
-                unpack(w, next, weights.add(next % RING).cast());
+            // Into the buffer block b's product read, one iteration ago.
+            if b + 2 < nb {
+                unpack(w, b + 2, weights.add(k).cast());
             }
             let sums = sums.add(k).cast::<i32>().cast_const();
             let at = b * GROUP_ROWS;
