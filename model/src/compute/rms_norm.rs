@@ -16,17 +16,12 @@ const LANES: usize = 16;
 #[derive(Clone, Debug)]
 pub struct RmsNorm {
     inner: candle_nn::RmsNorm,
-    weight: Tensor,
-    eps: f32,
 }
 
 impl RmsNorm {
     pub fn new(weight: Tensor, eps: f64) -> Self {
         Self {
-            inner: candle_nn::RmsNorm::new(weight.clone(), eps),
-            weight,
-            // As candle's op takes it.
-            eps: eps as f32,
+            inner: candle_nn::RmsNorm::new(weight, eps),
         }
     }
 
@@ -44,7 +39,7 @@ impl RmsNorm {
             return Ok(None);
         }
         let (xs, xl) = x.storage_and_layout();
-        let (ws, wl) = self.weight.storage_and_layout();
+        let (ws, wl) = self.inner.weight().storage_and_layout();
         let (Storage::Cpu(CpuStorage::F32(xs)), Storage::Cpu(CpuStorage::F32(ws))) = (&*xs, &*ws)
         else {
             return Ok(None);
@@ -58,7 +53,8 @@ impl RmsNorm {
             return Ok(None);
         }
         let mut dst = vec![0f32; src.len()];
-        normalise_rows(src, alpha, self.eps, &mut dst);
+        // In f32, as candle's op takes it.
+        normalise_rows(src, alpha, self.inner.eps() as f32, &mut dst);
         Ok(Some(Tensor::from_vec(dst, x.shape(), &Device::Cpu)?))
     }
 }
