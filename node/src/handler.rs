@@ -177,6 +177,12 @@ pub async fn serve_stream(stream: Stream, peer: PeerId, ctx: Arc<ServerContext>)
                 break;
             }
             Ok(Ok(None)) => break,
+            Ok(Ok(Some(req))) if req.is_unanswered_push() => {
+                if let response::Kind::Error(e) = state.handle(req, &ctx).await {
+                    tracing::debug!(%peer, code = e.code, message = %e.message, "unanswered push refused");
+                }
+                continue;
+            }
             Ok(Ok(Some(req))) => state.handle(req, &ctx).await,
             Ok(Err(e)) => {
                 tracing::debug!(%peer, error = %e, "bad frame");

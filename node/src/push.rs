@@ -5,7 +5,8 @@
 //! - [`PushInbox`]: hidden states pushed to this node's sessions, matched to the step waiting for them (`Step` with
 //!   `await_push`), whichever of the two arrives first. A push must carry the session's push token, a random
 //!   capability the node gives only to the client that opened the session.
-//! - [`Pusher`]: sends this node's outputs to the next servers, one task and one stream per next server, in order.
+//! - [`Pusher`]: sends this node's outputs to the next servers, one task and one stream per next server, in order,
+//!   without waiting for answers.
 use petal_p2p::{Multiaddr, Network, PeerId, Stream};
 use petal_proto::pb::{self, request, response};
 use petal_proto::FramedStream;
@@ -174,6 +175,7 @@ impl Pusher {
             push_token: target.push_token.clone(),
             position,
             hidden: Some(hidden),
+            unanswered: true,
         };
         let mut links = self
             .links
@@ -210,8 +212,10 @@ impl Pusher {
     }
 }
 
-/// One next server's link: its pushes in order over one stream, each answered before the next is sent. Ends at the
-/// first failure (the pending pushes are dropped; their steps time out and are driven by their clients).
+/// One next server's link: its pushes in order over one stream, back to back (sent `unanswered`). Whatever comes
+/// back (answers from a server that predates `unanswered`) is read and dropped, so it never fills the stream's
+/// window. Ends at the first failure (the pending pushes are dropped; their steps time out and are driven by their
+/// clients).
 async fn run_link(
     net: Network,
     peer: PeerId,
@@ -223,7 +227,32 @@ async fn run_link(
         net.add_addresses(peer, addrs).await;
     }
     let mut stream: Option<FramedStream<Stream>> = None;
-    while let Some(push) = queue.recv().await {
+    loop {
+        let push = match stream.as_mut() {
+            None => queue.recv().await,
+            // `recv` keeps a partly read answer in the stream, so choosing the queue cancels nothing.
+            Some(s) => tokio::select! {
+                push = queue.recv() => push,
+                answer = s.recv::<pb::Response>() => match answer {
+                    Ok(Some(pb::Response { kind: Some(response::Kind::Error(e)) })) => {
+                        tracing::debug!(%peer, code = e.code, message = %e.message, "push refused");
+                        continue;
+                    }
+                    Ok(Some(_)) => continue,
+                    Ok(None) => {
+                        tracing::info!(%peer, "the next server closed the push stream; its clients will drive the step");
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::info!(%peer, error = %e, "pushing to the next server failed; its clients will drive the step");
+                        return;
+                    }
+                },
+            },
+        };
+        let Some(push) = push else {
+            return;
+        };
         let sent = tokio::time::timeout(SEND_TIMEOUT, async {
             if stream.is_none() {
                 let s = net.open_stream(peer).await.map_err(|e| e.to_string())?;
@@ -232,7 +261,6 @@ async fn run_link(
             let Some(s) = stream.as_mut() else {
                 return Err("no stream".to_string());
             };
-            let (session_id, position) = (push.session_id, push.position);
             tracing::trace!("pushing to the next server");
             s.send(&pb::Request {
                 kind: Some(request::Kind::Push(push)),
@@ -240,19 +268,7 @@ async fn run_link(
             .await
             .map_err(|e| e.to_string())?;
             tracing::trace!("pushed to the next server");
-            match s.recv::<pb::Response>().await.map_err(|e| e.to_string())? {
-                Some(pb::Response {
-                    kind: Some(response::Kind::Pushed(_)),
-                }) => Ok(()),
-                Some(pb::Response {
-                    kind: Some(response::Kind::Error(e)),
-                }) => {
-                    // Refused (the session closed meanwhile): the stream is fine.
-                    tracing::debug!(%peer, session_id, position, code = e.code, message = %e.message, "push refused");
-                    Ok(())
-                }
-                other => Err(format!("unexpected answer to a push: {other:?}")),
-            }
+            Ok(())
         })
         .await;
         match sent {
@@ -301,6 +317,76 @@ mod tests {
         });
         assert!(delivered);
         assert_eq!(got.map(|t| t.data), Ok(vec![2]));
+    }
+
+    /// A server that predates `unanswered` answers every push, some with a refusal: the link reads and drops
+    /// those answers and keeps delivering, in order, over real swarms on loopback.
+    #[tokio::test]
+    async fn answers_from_a_server_that_predates_unanswered_pushes_are_read_and_dropped() {
+        use futures::StreamExt;
+        use petal_p2p::{Keypair, NetConfig};
+        use petal_proto::DEFAULT_MAX_FRAME_BYTES;
+        const PUSHES: u32 = 200;
+        let start = || async {
+            let mut config = NetConfig::new(Keypair::generate_ed25519());
+            config.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().expect("multiaddr")];
+            Network::start(config).await.expect("network starts")
+        };
+        let (old_server, sender) = (start().await, start().await);
+        let mut incoming = old_server.accept_streams().expect("accepting");
+        let (seen_tx, mut seen) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Some((_, stream)) = incoming.next().await {
+                let seen_tx = seen_tx.clone();
+                tokio::spawn(async move {
+                    let mut framed = FramedStream::new(stream, DEFAULT_MAX_FRAME_BYTES);
+                    while let Ok(Some(req)) = framed.recv::<pb::Request>().await {
+                        let Some(request::Kind::Push(push)) = req.kind else {
+                            panic!("not a push: {req:?}");
+                        };
+                        assert!(push.unanswered, "pushes are sent unanswered");
+                        // Answered all the same, as before the field; every third refused.
+                        let kind = if push.position % 3 == 0 {
+                            response::Kind::Error(pb::Error::default())
+                        } else {
+                            response::Kind::Pushed(pb::Pushed {
+                                session_id: push.session_id,
+                                position: push.position,
+                            })
+                        };
+                        let answer = pb::Response { kind: Some(kind) };
+                        if framed.send(&answer).await.is_err() {
+                            return;
+                        }
+                        let _ = seen_tx.send(push.position);
+                    }
+                });
+            }
+        });
+        let pusher = Pusher::new(sender.clone(), DEFAULT_MAX_FRAME_BYTES);
+        let target = pb::PushTarget {
+            peer_id: old_server.peer_id().to_string(),
+            addrs: old_server
+                .listen_addrs()
+                .await
+                .iter()
+                .map(ToString::to_string)
+                .collect(),
+            session_id: 7,
+            push_token: new_token().to_vec(),
+        };
+        let within = Duration::from_secs(20);
+        for position in 0..PUSHES {
+            pusher.push(&target, position, tensor(1));
+            let got = tokio::time::timeout(within, seen.recv()).await;
+            assert_eq!(
+                got,
+                Ok(Some(position)),
+                "push {position} not delivered in order"
+            );
+        }
+        sender.shutdown().await;
+        old_server.shutdown().await;
     }
 
     #[tokio::test]

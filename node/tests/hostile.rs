@@ -409,6 +409,7 @@ async fn pushes_need_the_sessions_token_and_a_missing_push_changes_nothing() {
             push_token: token,
             position,
             hidden: Some(hidden(1, 0.5)),
+            ..Default::default()
         })),
     };
     let awaited = |position: u32, wait_ms: u32| pb::Request {

@@ -14,6 +14,13 @@ impl pb::Response {
     }
 }
 
+impl pb::Request {
+    /// A push whose sender wants no answer (`Push.unanswered`).
+    pub fn is_unanswered_push(&self) -> bool {
+        matches!(&self.kind, Some(pb::request::Kind::Push(p)) if p.unanswered)
+    }
+}
+
 impl pb::ServerRecord {
     /// AutoNAT's verdict as announced: public, private or unknown (also for records that predate it).
     pub fn reachability_status(&self) -> &str {

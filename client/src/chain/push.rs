@@ -64,8 +64,15 @@ impl ChainSession {
                     wait: push_wait,
                 }
             };
-            link.hop
-                .step_push(input, position, targets.get(i + 1).cloned(), timeout)
+            let target = targets.get(i + 1).cloned();
+            async move {
+                // The first hop's input goes out before the others are told to await theirs: they have a whole
+                // hop's compute to get their steps, and an input pushed first waits for its step.
+                if i > 0 {
+                    tokio::task::yield_now().await;
+                }
+                link.hop.step_push(input, position, target, timeout).await
+            }
         });
         let results = futures::future::join_all(steps).await;
         let timed_out = results
