@@ -547,6 +547,8 @@ async fn run_step(mut step: pb::Step, state: &mut StreamState, ctx: &Arc<ServerC
                 (Some(target), Some(pusher)) => {
                     pusher.push(target, step.position, hidden.clone());
                     tracing::trace!("output queued for the next server");
+                    // The push is what the next server waits for: let its link write it before this answer.
+                    tokio::task::yield_now().await;
                 }
                 (Some(_), None) => tracing::debug!("asked to push, but this server has no network"),
                 _ => {}
