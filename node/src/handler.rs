@@ -180,6 +180,14 @@ pub async fn serve_stream(stream: Stream, peer: PeerId, ctx: Arc<ServerContext>)
             Ok(Ok(Some(req))) if req.is_unanswered_push() => {
                 if let response::Kind::Error(e) = state.handle(req, &ctx).await {
                     tracing::debug!(%peer, code = e.code, message = %e.message, "unanswered push refused");
+                    // No answer slows a sender of refused pushes down, so refusals draw on the peer's budget of
+                    // cheap requests; past it, the stream is reset.
+                    if !ctx.peers.allow_cheap(peer) {
+                        ctx.metrics.refused("rate_limited");
+                        tracing::info!(%peer, "too many refused pushes; resetting the stream");
+                        reset = true;
+                        break;
+                    }
                 }
                 continue;
             }

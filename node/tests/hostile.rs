@@ -447,3 +447,80 @@ async fn pushes_need_the_sessions_token_and_a_missing_push_changes_nothing() {
     let late = previous.handle(push(token, 2), &ctx).await;
     assert_eq!(code(&late), Some(ErrorCode::UnknownSession));
 }
+
+/// A refused push that asks for no answer costs its sender nothing to repeat: past the peer's budget of cheap
+/// requests its stream is reset, and the node serves other peers on (real swarms on loopback, `serve_stream`).
+#[tokio::test]
+async fn a_flood_of_refused_unanswered_pushes_resets_its_stream_and_the_node_serves_on() {
+    use futures::StreamExt;
+    use petal_node::handler::serve_stream;
+    use petal_p2p::{Keypair, NetConfig, Network};
+    use petal_proto::FramedStream;
+    use std::time::Duration;
+    let ctx = context(1024, 8);
+    let start = || async {
+        let mut config = NetConfig::new(Keypair::generate_ed25519());
+        config.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().expect("multiaddr")];
+        Network::start(config).await.expect("network starts")
+    };
+    let (server, flooder, other) = (start().await, start().await, start().await);
+    let mut incoming = server.accept_streams().expect("accepting");
+    let serving = ctx.clone();
+    tokio::spawn(async move {
+        while let Some((peer, stream)) = incoming.next().await {
+            tokio::spawn(serve_stream(stream, peer, serving.clone()));
+        }
+    });
+    let addrs = server.listen_addrs().await;
+    let open = |net: Network| {
+        let addrs = addrs.clone();
+        let to = server.peer_id();
+        async move {
+            net.add_addresses(to, addrs).await;
+            FramedStream::new(net.open_stream(to).await.expect("stream opens"), 1 << 20)
+        }
+    };
+    let mut flood = open(flooder.clone()).await;
+    let bogus = pb::Request {
+        kind: Some(request::Kind::Push(pb::Push {
+            session_id: 1,
+            push_token: vec![0; 16],
+            position: 0,
+            hidden: Some(hidden(1, 0.5)),
+            unanswered: true,
+        })),
+    };
+    // Well past the default burst of 100 cheap requests; once the stream is reset, sending fails.
+    for _ in 0..400 {
+        if flood.send(&bogus).await.is_err() {
+            break;
+        }
+    }
+    let ended = tokio::time::timeout(Duration::from_secs(20), flood.recv::<pb::Response>())
+        .await
+        .expect("the flooding stream is ended by the node");
+    assert!(
+        !matches!(ended, Ok(Some(_))),
+        "a refused unanswered push was answered: {ended:?}"
+    );
+    let mut asking = open(other.clone()).await;
+    asking
+        .send(&pb::Request {
+            kind: Some(request::Kind::Info(pb::InfoRequest {})),
+        })
+        .await
+        .expect("info sent");
+    let info = asking.recv::<pb::Response>().await.expect("answer");
+    assert!(
+        matches!(
+            info,
+            Some(pb::Response {
+                kind: Some(response::Kind::Info(_))
+            })
+        ),
+        "{info:?}"
+    );
+    for net in [flooder, other, server] {
+        net.shutdown().await;
+    }
+}
