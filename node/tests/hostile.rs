@@ -452,18 +452,18 @@ async fn pushes_need_the_sessions_token_and_a_missing_push_changes_nothing() {
 /// requests its stream is reset, and the node serves other peers on (real swarms on loopback, `serve_stream`).
 #[tokio::test]
 async fn a_flood_of_refused_unanswered_pushes_resets_its_stream_and_the_node_serves_on() {
+    use common::loopback_network;
     use futures::StreamExt;
     use petal_node::handler::serve_stream;
-    use petal_p2p::{Keypair, NetConfig, Network};
+    use petal_p2p::Network;
     use petal_proto::FramedStream;
     use std::time::Duration;
     let ctx = context(1024, 8);
-    let start = || async {
-        let mut config = NetConfig::new(Keypair::generate_ed25519());
-        config.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().expect("multiaddr")];
-        Network::start(config).await.expect("network starts")
-    };
-    let (server, flooder, other) = (start().await, start().await, start().await);
+    let (server, flooder, other) = (
+        loopback_network().await,
+        loopback_network().await,
+        loopback_network().await,
+    );
     let mut incoming = server.accept_streams().expect("accepting");
     let serving = ctx.clone();
     tokio::spawn(async move {

@@ -64,6 +64,15 @@ pub fn stories_context_with(
     )
 }
 
+/// A network of its own listening on loopback TCP, as a test's peer (no bootstrap, no DHT serving).
+pub async fn loopback_network() -> petal_p2p::Network {
+    let mut config = petal_p2p::NetConfig::new(petal_p2p::Keypair::generate_ed25519());
+    config.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().expect("multiaddr")];
+    petal_p2p::Network::start(config)
+        .await
+        .expect("network starts")
+}
+
 /// An OpenSession request for blocks `start..end` of `model_id`.
 pub fn open_request(model_id: &str, start: u32, end: u32, max_length: u32) -> pb::Request {
     pb::Request {

@@ -449,21 +449,18 @@ mod tests {
         // What lets `compute` skip merging a tile of one task: a chunk's partial, rows that saw keys and one
         // that saw none.
         let (rows, d, n) = (4, 64, 37);
-        let keys = random(&[n, d], 3)
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        let values = random(&[n, d], 4)
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        let q = random(&[rows, d], 5)
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
+        let values_of = |dims: &[usize], seed| {
+            random(dims, seed)
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        let (keys, values, q) = (
+            values_of(&[n, d], 3),
+            values_of(&[n, d], 4),
+            values_of(&[rows, d], 5),
+        );
         fn cache(data: &[f32], stride: usize) -> Cache<'_> {
             Cache {
                 data: Elems::F32(data),
