@@ -75,7 +75,13 @@ impl Kernel {
     /// `out[r][k] = dot(row k of w, ys[r])` for every activation row, each as long as `w`'s rows.
     pub fn group_dots(self, w: Q4_1Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
         let nb = w.blocks();
-        assert!(ys.iter().all(|y| y.d.len() == nb) && out.len() >= ys.len());
+        assert!(
+            ys.iter().all(|y| y.d.len() == nb
+                && y.s.len() == nb
+                && y.qs.len() == nb
+                && y.splat.len() == nb)
+                && out.len() >= ys.len()
+        );
         match self {
             Kernel::Scalar => group_scalar(w, ys, out),
             // SAFETY (all four): `available` lists a kernel only after checking the CPU has its features;
@@ -147,7 +153,7 @@ macro_rules! by_tiles {
 macro_rules! x86_256_kernel {
     ($module:ident, $features:literal, |$q:ident, $y:ident| $sum:block) => {
         mod $module {
-            use super::super::super::q8_1::Q8Row;
+            use super::super::super::q8_1::{Q8Row, SplatScales};
             use super::super::{Q4_1Group, BLOCK_QS, GROUP_ROWS, PART_BYTES};
             use crate::compute::linear::prefetch_ahead;
             use std::arch::x86_64::*;
@@ -161,8 +167,10 @@ macro_rules! x86_256_kernel {
                 ys: &[Q8Row<'_>],
                 out: &mut [[f32; GROUP_ROWS]],
             ) {
-                // Sixteen vector registers: eight unpacked weight parts, two scale vectors, four accumulators.
-                by_tiles!(tile, 4, w, ys, out)
+                // Sixteen vector registers hold eight unpacked weight parts, two scale vectors and a few rows'
+                // accumulators; eight rows a tile spill some of those to the first-level cache, yet measured
+                // 1.05-1.1x faster than four (Zen 3, 16 and 64 rows): the weights are unpacked half as often.
+                by_tiles!(tile, 8, w, ys, out)
             }
 
             /// In each 32-bit lane, the sum of a block's 32 products of unsigned weight nibbles (`$q[p]`: values
@@ -182,6 +190,10 @@ macro_rules! x86_256_kernel {
                 out: &mut [[f32; GROUP_ROWS]],
             ) {
                 let mask = _mm256_set1_epi8(0x0F);
+                // Each row's bytes and scales through plain pointers: indexing the rows' slices inside the loop
+                // reloaded every slice and checked every index, block after block.
+                let qs: [*const i32; N] = std::array::from_fn(|r| ys[r].qs.as_ptr() as *const i32);
+                let scales: [*const SplatScales; N] = std::array::from_fn(|r| ys[r].splat.as_ptr());
                 for half in 0..GROUP_ROWS / LANES {
                     let mut acc = [_mm256_setzero_ps(); N];
                     for b in 0..w.blocks() {
@@ -205,10 +217,10 @@ macro_rules! x86_256_kernel {
                             w.m.as_ptr().add(at) as *const __m128i
                         ));
                         each_row!(N, |r| {
-                            let y = ys[r].qs.as_ptr().add(b) as *const i32;
-                            let sumi = _mm256_cvtepi32_ps(block_sum(&q, y));
-                            let yd = _mm256_set1_ps(ys[r].d[b]);
-                            let ysum = _mm256_set1_ps(ys[r].s[b]);
+                            let sumi = _mm256_cvtepi32_ps(block_sum(&q, qs[r].add(b * 8)));
+                            let scale = &*scales[r].add(b);
+                            let yd = _mm256_load_ps(scale.d.as_ptr());
+                            let ysum = _mm256_load_ps(scale.s.as_ptr());
                             let term = _mm256_add_ps(
                                 _mm256_mul_ps(_mm256_mul_ps(sumi, wd), yd),
                                 _mm256_mul_ps(wm, ysum),
