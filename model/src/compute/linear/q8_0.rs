@@ -263,7 +263,7 @@ impl Kernel {
         out: &mut [[f32; GROUP_ROWS]],
     ) {
         let nb = w.blocks();
-        assert!(xs.iter().all(|x| x.d.len() == nb) && out.len() >= xs.len());
+        assert!(xs.iter().all(|x| x.d.len() == nb && x.qs.len() == nb) && out.len() >= xs.len());
         match (self, summation) {
             (Kernel::Scalar, Summation::Lanes) => group_scalar(w, xs, out),
             (Kernel::Scalar, Summation::Blocks) => blocks::group_scalar(w, xs, out),
@@ -481,7 +481,7 @@ mod tests {
             .unwrap()
             .with_summation(Summation::Blocks);
         let candle = QMatMul::from_qtensor(q).unwrap();
-        for rows in [1, 2, 3, 5, 8, 9, 15, 16, 17, 23, 35] {
+        for rows in [1, 2, 3, 4, 5, 6, 8, 9, 12, 14, 15, 16, 17, 23, 35] {
             let x = random(rows, 576, 7 + rows as u64);
             let (want, xs) = candle_product(&candle, &x);
             let reference = ours.matmul_with(Kernel::Scalar, &xs, rows);

@@ -24,42 +24,110 @@ pub(super) fn group_scalar(w: Q8_0Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32
     }
 }
 
-/// Eight lanes (weight rows) per vector: the group in two halves, one activation row at a time.
+/// Eight lanes (weight rows) per vector: the group in two halves. Activation rows go up to [`TILE`](avx2::TILE) at
+/// a time, each weight vector loaded and its absolute value taken once for all of them, and each row's bytes and
+/// scales read through plain pointers; a lone row (a decode step's head) goes by itself.
 #[cfg(target_arch = "x86_64")]
 pub(super) mod avx2 {
     use super::{Q8_0Group, Q8_0Row, BLOCK_QS, GROUP_ROWS, PART_BYTES, QK8_0};
+    use crate::compute::linear::prefetch_ahead;
     use std::arch::x86_64::*;
 
     const LANES: usize = 8;
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn group_dots(w: Q8_0Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+        let mut i = 0;
+        while xs.len() - i >= TILE {
+            tile::<TILE>(w, &xs[i..i + TILE], &mut out[i..i + TILE]);
+            i += TILE;
+        }
+        let (xs, out) = (&xs[i..], &mut out[i..]);
+        match xs.len() {
+            0 => {}
+            1 => one_row(w, xs[0], &mut out[0]),
+            2 => tile::<2>(w, xs, out),
+            3 => tile::<3>(w, xs, out),
+            4 => tile::<4>(w, xs, out),
+            5 => tile::<5>(w, xs, out),
+            6 => tile::<6>(w, xs, out),
+            _ => tile::<7>(w, xs, out),
+        }
+    }
+
+    /// Activation rows per tile: sixteen rows of the LM head 1.33-1.40x faster than one at a time, four at a time
+    /// 1.31-1.34x (Zen 3, 2 threads). Their accumulators do not all fit the sixteen registers; the spills cost
+    /// less than unpacking each weight vector twice as often.
+    pub const TILE: usize = 8;
+
+    // `r` picks each row's pointers, sums and accumulators alike.
+    #[allow(clippy::needless_range_loop)]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile<const N: usize>(
+        w: Q8_0Group<'_>,
+        xs: &[Q8_0Row<'_>],
+        out: &mut [[f32; GROUP_ROWS]],
+    ) {
         let ones = _mm256_set1_epi16(1);
-        for (x, o) in xs.iter().zip(out.iter_mut()) {
-            for half in 0..GROUP_ROWS / LANES {
-                let mut acc = _mm256_setzero_ps();
-                for b in 0..w.blocks() {
-                    let at = b * GROUP_ROWS + half * LANES;
-                    let wd =
-                        _mm256_cvtph_ps(_mm_loadu_si128(w.d.as_ptr().add(at) as *const __m128i));
-                    let d = _mm256_mul_ps(wd, _mm256_set1_ps(x.d[b]));
-                    let base = w.qs.as_ptr().add(b * BLOCK_QS + half * 4 * LANES);
-                    let xq = x.qs.as_ptr().add(b) as *const i32;
-                    let mut sums = _mm256_setzero_si256();
-                    for l in 0..QK8_0 / 4 {
-                        let bw = _mm256_loadu_si256(base.add(l * PART_BYTES) as *const __m256i);
-                        let bx = _mm256_set1_epi32(xq.add(l).read_unaligned());
-                        // Signed bytes times signed bytes: the weight's sign moves onto the activation.
-                        let products = _mm256_maddubs_epi16(
-                            _mm256_sign_epi8(bw, bw),
-                            _mm256_sign_epi8(bx, bw),
-                        );
-                        sums = _mm256_add_epi32(sums, _mm256_madd_epi16(ones, products));
-                    }
-                    acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sums), acc);
+        let xq: [*const i32; N] = std::array::from_fn(|r| xs[r].qs.as_ptr() as *const i32);
+        let xd: [*const f32; N] = std::array::from_fn(|r| xs[r].d.as_ptr());
+        for half in 0..GROUP_ROWS / LANES {
+            let mut acc = [_mm256_setzero_ps(); N];
+            for b in 0..w.blocks() {
+                // As in the 512-bit kernel: the head's weights come from memory, and several rows compute long
+                // enough per block for them to arrive late; the first half's pass brings each block in.
+                if half == 0 {
+                    prefetch_ahead(w.qs.as_ptr(), b, w.blocks(), BLOCK_QS);
                 }
-                _mm256_storeu_ps(o.as_mut_ptr().add(half * LANES), acc);
+                let at = b * GROUP_ROWS + half * LANES;
+                let wd = _mm256_cvtph_ps(_mm_loadu_si128(w.d.as_ptr().add(at) as *const __m128i));
+                let base = w.qs.as_ptr().add(b * BLOCK_QS + half * 4 * LANES);
+                let mut sums = [_mm256_setzero_si256(); N];
+                for l in 0..QK8_0 / 4 {
+                    let bw = _mm256_loadu_si256(base.add(l * PART_BYTES) as *const __m256i);
+                    let aw = _mm256_sign_epi8(bw, bw);
+                    each_row!(N, |r| {
+                        let bx = _mm256_set1_epi32(xq[r].add(b * 8 + l).read_unaligned());
+                        let products = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bx, bw));
+                        sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(ones, products));
+                    });
+                }
+                each_row!(N, |r| {
+                    let d = _mm256_mul_ps(wd, _mm256_set1_ps(*xd[r].add(b)));
+                    acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sums[r]), acc[r]);
+                });
             }
+            for r in 0..N {
+                _mm256_storeu_ps(out[r].as_mut_ptr().add(half * LANES), acc[r]);
+            }
+        }
+    }
+
+    /// One activation row, each block's scale product formed before its sums (a tile of one measured slower).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn one_row(w: Q8_0Group<'_>, x: Q8_0Row<'_>, o: &mut [f32; GROUP_ROWS]) {
+        let ones = _mm256_set1_epi16(1);
+        for half in 0..GROUP_ROWS / LANES {
+            let mut acc = _mm256_setzero_ps();
+            for b in 0..w.blocks() {
+                let at = b * GROUP_ROWS + half * LANES;
+                let wd = _mm256_cvtph_ps(_mm_loadu_si128(w.d.as_ptr().add(at) as *const __m128i));
+                let d = _mm256_mul_ps(wd, _mm256_set1_ps(x.d[b]));
+                let base = w.qs.as_ptr().add(b * BLOCK_QS + half * 4 * LANES);
+                let xq = x.qs.as_ptr().add(b) as *const i32;
+                let mut sums = _mm256_setzero_si256();
+                for l in 0..QK8_0 / 4 {
+                    let bw = _mm256_loadu_si256(base.add(l * PART_BYTES) as *const __m256i);
+                    let bx = _mm256_set1_epi32(xq.add(l).read_unaligned());
+                    // Signed bytes times signed bytes: the weight's sign moves onto the activation.
+                    let products =
+                        _mm256_maddubs_epi16(_mm256_sign_epi8(bw, bw), _mm256_sign_epi8(bx, bw));
+                    sums = _mm256_add_epi32(sums, _mm256_madd_epi16(ones, products));
+                }
+                acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sums), acc);
+            }
+            _mm256_storeu_ps(o.as_mut_ptr().add(half * LANES), acc);
         }
     }
 }
