@@ -190,8 +190,9 @@ macro_rules! x86_256_kernel {
                 out: &mut [[f32; GROUP_ROWS]],
             ) {
                 let mask = _mm256_set1_epi8(0x0F);
-                // Each row's bytes and scales through plain pointers: indexing the rows' slices inside the loop
-                // reloaded every slice and checked every index, block after block.
+                // Each row's bytes and scales through plain pointers (`Kernel::group_dots` checked their lengths):
+                // indexing the rows' slices inside the loop reloaded every slice and checked every index, block
+                // after block.
                 let qs: [*const i32; N] = std::array::from_fn(|r| ys[r].qs.as_ptr() as *const i32);
                 let scales: [*const SplatScales; N] = std::array::from_fn(|r| ys[r].splat.as_ptr());
                 for half in 0..GROUP_ROWS / LANES {
