@@ -21,6 +21,45 @@ macro_rules! each_row {
     };
 }
 
+/// Calls `$tile::<$n>(w, rows, out)` on the activation rows `$n` at a time, then once on the fewer than `$n` (at
+/// most eight) left, by their count; a single row left goes to `$one` when given, else to `$tile::<1>`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_tiles {
+    ($tile:ident, $n:expr, $w:expr, $ys:expr, $out:expr) => {
+        by_tiles!($tile, $n, $w, $ys, $out, |w, ys, out| $tile::<1>(
+            w, ys, out
+        ))
+    };
+    ($tile:ident, $n:expr, $w:expr, $ys:expr, $out:expr, |$ow:ident, $oys:ident, $oout:ident| $one:expr) => {{
+        const {
+            assert!(
+                $n <= 8,
+                "by_tiles! writes out remainders of at most seven rows"
+            )
+        };
+        let (w, ys, out) = ($w, $ys, $out);
+        let mut r = 0;
+        while r + $n <= ys.len() {
+            $tile::<{ $n }>(w, &ys[r..r + $n], &mut out[r..r + $n]);
+            r += $n;
+        }
+        let (ys, out) = (&ys[r..], &mut out[r..]);
+        match ys.len() {
+            0 => {}
+            1 => {
+                let ($ow, $oys, $oout) = (w, ys, out);
+                $one
+            }
+            2 => $tile::<2>(w, ys, out),
+            3 => $tile::<3>(w, ys, out),
+            4 => $tile::<4>(w, ys, out),
+            5 => $tile::<5>(w, ys, out),
+            6 => $tile::<6>(w, ys, out),
+            _ => $tile::<7>(w, ys, out),
+        }
+    }};
+}
+
 /// Blocks ahead of the one being computed whose weights a kernel asks the cache for: a tile of several activation
 /// rows (or an AMX tile) computes long enough per block for the next weights, which come from memory, to arrive
 /// late. Two measured the same as four, eight slightly slower (Q4_1, Zen 4).

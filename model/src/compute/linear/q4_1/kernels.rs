@@ -123,30 +123,6 @@ fn group_scalar(w: Q4_1Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]
     }
 }
 
-/// Calls `tile::<N>` on activation rows `N` at a time, then once on the rest.
-#[cfg(target_arch = "x86_64")]
-macro_rules! by_tiles {
-    ($tile:ident, $n:literal, $w:expr, $ys:expr, $out:expr) => {{
-        let (w, ys, out) = ($w, $ys, $out);
-        let mut r = 0;
-        while r + $n <= ys.len() {
-            $tile::<$n>(w, &ys[r..r + $n], &mut out[r..r + $n]);
-            r += $n;
-        }
-        let (ys, out) = (&ys[r..], &mut out[r..]);
-        match ys.len() {
-            0 => {}
-            1 => $tile::<1>(w, ys, out),
-            2 => $tile::<2>(w, ys, out),
-            3 => $tile::<3>(w, ys, out),
-            4 => $tile::<4>(w, ys, out),
-            5 => $tile::<5>(w, ys, out),
-            6 => $tile::<6>(w, ys, out),
-            _ => $tile::<7>(w, ys, out),
-        }
-    }};
-}
-
 /// Eight lanes (weight rows) per vector: the group in two halves. The kernels differ only in how a block's 32 byte
 /// products per lane are summed into its 32-bit lane.
 #[cfg(target_arch = "x86_64")]
