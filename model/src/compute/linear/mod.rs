@@ -21,8 +21,8 @@ macro_rules! each_row {
     };
 }
 
-/// Calls `$tile::<$n>(w, rows, out)` on the activation rows `$n` at a time, then once on the fewer than `$n` (at
-/// most eight) left, by their count; a single row left goes to `$one` when given, else to `$tile::<1>`.
+/// Calls `$tile::<$n>(w, rows, out)` on the activation rows `$n` at a time (`$n` at most eight), then once on the
+/// fewer than `$n` left, by their count; a single row left goes to `$one` when given, else to `$tile::<1>`.
 #[cfg(target_arch = "x86_64")]
 macro_rules! by_tiles {
     ($tile:ident, $n:expr, $w:expr, $ys:expr, $out:expr) => {
