@@ -16,7 +16,8 @@ pub struct Q8Rows {
     pub d: Vec<f32>,
     pub s: Vec<f32>,
     pub qs: Vec<[i8; QK8_1]>,
-    /// `d` and `s` again, block by block, each repeated in eight lanes.
+    /// `d` and `s` again, block by block, each repeated in eight lanes; empty unless asked for (only the 256-bit
+    /// kernels read them).
     pub splat: Vec<SplatScales>,
 }
 
@@ -54,8 +55,9 @@ const PARALLEL_BLOCKS: usize = 256;
 const TASK_BLOCKS: usize = 64;
 
 impl Q8Rows {
-    /// Quantizes `m` rows of `x` (row-major, a multiple of 32 values per row).
-    pub fn quantize(x: &[f32], m: usize) -> Self {
+    /// Quantizes `m` rows of `x` (row-major, a multiple of 32 values per row), with each block's [`SplatScales`]
+    /// when `with_splat_scales` (64 bytes a block that kernels other than the 256-bit ones never read).
+    pub fn quantize(x: &[f32], m: usize, with_splat_scales: bool) -> Self {
         let blocks = x.len().checked_div(m).unwrap_or(0) / QK8_1;
         let n = m * blocks;
         let mut rows = Self {
@@ -63,7 +65,7 @@ impl Q8Rows {
             d: vec![0.0; n],
             s: vec![0.0; n],
             qs: vec![[0; QK8_1]; n],
-            splat: vec![SplatScales::default(); n],
+            splat: vec![SplatScales::default(); if with_splat_scales { n } else { 0 }],
         };
         let (d, s, qs, splat) = (&mut rows.d, &mut rows.s, &mut rows.qs, &mut rows.splat);
         // Each block is quantized on its own, so splitting the work changes nothing. For a batch of 16 decode rows
@@ -71,17 +73,25 @@ impl Q8Rows {
         // meanwhile, and the matmul's first groups then wait for them to wake (a trace of the 16-session test: its
         // kernels 15% slower): the region keeps them busy.
         if n >= PARALLEL_BLOCKS {
-            x.par_chunks(QK8_1 * TASK_BLOCKS)
+            let tasks = x
+                .par_chunks(QK8_1 * TASK_BLOCKS)
                 .zip(d.par_chunks_mut(TASK_BLOCKS))
                 .zip(s.par_chunks_mut(TASK_BLOCKS))
-                .zip(qs.par_chunks_mut(TASK_BLOCKS))
-                .zip(splat.par_chunks_mut(TASK_BLOCKS))
-                .for_each(|((((x, d), s), qs), splat)| {
-                    quantize_blocks(x, d, s, qs);
-                    splat_scales(d, s, splat);
-                });
+                .zip(qs.par_chunks_mut(TASK_BLOCKS));
+            // Zipped with an empty `splat`, the tasks would be none at all: two arms.
+            if with_splat_scales {
+                tasks.zip(splat.par_chunks_mut(TASK_BLOCKS)).for_each(
+                    |((((x, d), s), qs), splat)| {
+                        quantize_blocks(x, d, s, qs);
+                        splat_scales(d, s, splat);
+                    },
+                );
+            } else {
+                tasks.for_each(|(((x, d), s), qs)| quantize_blocks(x, d, s, qs));
+            }
         } else {
             quantize_blocks(x, d, s, qs);
+            // Nothing to write when they were not asked for (`splat` is empty).
             splat_scales(d, s, splat);
         }
         rows
@@ -93,7 +103,12 @@ impl Q8Rows {
             d: &self.d[r.clone()],
             s: &self.s[r.clone()],
             qs: &self.qs[r.clone()],
-            splat: &self.splat[r],
+            // Empty when they were not asked for.
+            splat: if self.splat.is_empty() {
+                &[]
+            } else {
+                &self.splat[r]
+            },
         }
     }
 }
@@ -341,8 +356,11 @@ mod tests {
         }
         // And as rows: eight blocks at a time, then a tail; in parallel tasks past `PARALLEL_BLOCKS`.
         let x: Vec<f32> = blocks.concat();
-        for m in [1, 4] {
-            let rows = Q8Rows::quantize(&x, m);
+        for (m, with_splat_scales) in [(1, true), (4, true), (1, false), (4, false)] {
+            let rows = Q8Rows::quantize(&x, m, with_splat_scales);
+            if !with_splat_scales {
+                assert!(rows.splat.is_empty() && rows.row(0).splat.is_empty());
+            }
             for (i, xs) in blocks.iter().enumerate() {
                 let (want_qs, want_d, want_s) = reference(xs);
                 assert_eq!(
@@ -354,6 +372,9 @@ mod tests {
                     (want_qs, want_d.to_bits(), want_s.to_bits()),
                     "block {i} of {m} rows: {xs:?}"
                 );
+                if !with_splat_scales {
+                    continue;
+                }
                 let lanes = rows.splat[i].d.iter().chain(&rows.splat[i].s);
                 let want = [[want_d; 8], [want_s; 8]].concat();
                 assert!(

@@ -72,14 +72,26 @@ impl Kernel {
         Kernel::Scalar
     }
 
-    /// `out[r][k] = dot(row k of w, ys[r])` for every activation row, each as long as `w`'s rows.
+    /// Whether this kernel reads the activations' [`SplatScales`](super::super::q8_1::SplatScales) (the 256-bit
+    /// ones), so that quantizing writes them only for it.
+    pub fn reads_splat_scales(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if matches!(self, Kernel::Avx2 | Kernel::AvxVnni) {
+            return true;
+        }
+        false
+    }
+
+    /// `out[r][k] = dot(row k of w, ys[r])` for every activation row, each as long as `w`'s rows (with its
+    /// `splat` scales too for a kernel that [reads them](Self::reads_splat_scales)).
     pub fn group_dots(self, w: Q4_1Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
         let nb = w.blocks();
+        let splat = self.reads_splat_scales();
         assert!(
             ys.iter().all(|y| y.d.len() == nb
                 && y.s.len() == nb
                 && y.qs.len() == nb
-                && y.splat.len() == nb)
+                && (!splat || y.splat.len() == nb))
                 && out.len() >= ys.len()
         );
         match self {

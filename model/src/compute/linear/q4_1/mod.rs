@@ -157,7 +157,7 @@ impl Q4_1Matrix {
     pub fn matmul_with(&self, kernel: Kernel, x: &[f32], m: usize) -> Vec<f32> {
         debug_assert_eq!(x.len(), m * self.cols);
         debug_assert_eq!(self.cols % QK8_1, 0);
-        let xq = Q8Rows::quantize(x, m);
+        let xq = Q8Rows::quantize(x, m, kernel.reads_splat_scales());
         let rows: Vec<Q8Row<'_>> = (0..m).map(|i| xq.row(i)).collect();
         super::matmul_by_groups(self.rows, m, |g, tile, out| {
             kernel.group_dots(self.group(g), &rows[tile], out)
