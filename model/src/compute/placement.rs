@@ -236,6 +236,17 @@ pub fn device_memory(d: &Device) -> Option<(u64, u64)> {
     None
 }
 
+/// The devices a test runs on: the CPU, and the first CUDA GPU in builds that have one and on machines that have
+/// one (elsewhere `Device::new_cuda` is an error, and the test runs on the CPU alone).
+#[cfg(test)]
+pub(crate) fn test_devices() -> Vec<Device> {
+    let mut devices = vec![Device::Cpu];
+    if let Ok(gpu) = Device::new_cuda(0) {
+        devices.push(gpu);
+    }
+    devices
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

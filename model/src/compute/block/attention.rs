@@ -72,7 +72,8 @@ impl Attention {
 
     /// Every session's attention (`sessions` in the order of their rows): `[1, rows, heads * head_dim]`, to go
     /// through [`Attention::output`]. On the CPU with f16 caches, all sessions at once
-    /// ([`super::host_attention`]); otherwise one after another.
+    /// ([`super::host_attention`]); on other devices, several sessions' one-token steps in one call
+    /// ([`super::decode_attention`]); otherwise one after another.
     pub(crate) fn attend_all(
         &self,
         p: &Projected,
@@ -80,6 +81,11 @@ impl Attention {
     ) -> Result<Tensor> {
         if let Some(y) = super::host_attention::attend(self, p, sessions)? {
             return Ok(y);
+        }
+        if super::decode_attention::applies(p, sessions) {
+            if let Some(y) = super::decode_attention::attend(self, p, sessions)? {
+                return Ok(y);
+            }
         }
         let mut attended = sessions
             .iter_mut()

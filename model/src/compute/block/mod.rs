@@ -1,6 +1,7 @@
 //! One decoder block: pre-norm attention and a pre-norm gated feed-forward (or mixture of experts), each with a
 //! residual; the family options ([`crate::compute::family::FamilyOptions`]) add biases, norms, windows and caps.
 mod attention;
+mod decode_attention;
 mod flash_attention;
 mod host_attention;
 mod kv_cache;

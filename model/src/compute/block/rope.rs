@@ -65,6 +65,40 @@ impl Rope {
         })
     }
 
+    /// Rotates `x` of shape `[sequences, heads, 1, head_dim]`, one token per sequence, sequence `i` at
+    /// `positions[i]`: one gather of the tables' rows and one rotation for all of them, with the same arithmetic per
+    /// element as [`Self::apply`] on each sequence alone.
+    pub fn apply_each(&self, x: &Tensor, positions: &[usize]) -> Result<Tensor> {
+        let (sequences, _, tokens, head_dim) = x.dims4()?;
+        if tokens != 1 || sequences != positions.len() {
+            return Err(ModelError::TensorShape {
+                name: "rotated rows".into(),
+                expected: vec![positions.len(), x.dim(1)?, 1, head_dim],
+                actual: x.dims().to_vec(),
+            });
+        }
+        if let Some(&position) = positions.iter().find(|&&p| p >= self.max_position) {
+            return Err(ModelError::TooLong {
+                position,
+                tokens: 1,
+                max_length: self.max_position,
+            });
+        }
+        let rows: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        let rows = Tensor::from_vec(rows, sequences, self.cos.device())?;
+        // `[sequences, 1, head_dim / 2]`: candle's kernels take one table per sequence.
+        let table = |t: &Tensor| -> Result<Tensor> {
+            Ok(t.index_select(&rows, 0)?
+                .reshape((sequences, 1, head_dim / 2))?)
+        };
+        let (cos, sin) = (table(&self.cos)?, table(&self.sin)?);
+        let x = x.contiguous()?;
+        Ok(match self.style {
+            RopeStyle::Half => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
+        })
+    }
+
     /// The tables read in place, when they are f32 on the CPU and laid out from their start (they always are when
     /// built there); `None` otherwise.
     pub(crate) fn host(&self) -> Option<HostRope<'_>> {

@@ -1,16 +1,20 @@
 //! Several matmuls over the same input (queries, keys and values; gate and up) run as one where the weights allow:
-//! the input is quantized once and the threads are woken once. Rows of a stacked matrix are computed exactly as
-//! they would be alone, so results do not change.
+//! the input is quantized once and the threads are woken once (on a GPU: one launch instead of two per part, and
+//! launches are what bound a GPU's decode step). Rows of a stacked matrix are computed exactly as they would be
+//! alone, so results do not change.
 use super::{Linear, Q4_1Matrix};
 use crate::error::Result;
+use candle_core::quantized::{QMatMul, QStorage, QTensor};
 use candle_core::Tensor;
+use std::borrow::Cow;
 use std::sync::Arc;
 
 #[derive(Debug, Clone)]
 pub enum Stacked {
     /// One matrix whose output splits into parts of these widths.
     One(Linear, Vec<usize>),
-    /// Weights that cannot be stacked (candle's formats), run one after another.
+    /// Weights that cannot be stacked (candle's formats on the CPU, dense weights, parts of different formats or
+    /// widths), run one after another.
     Many(Vec<Linear>),
 }
 
@@ -27,6 +31,25 @@ impl Stacked {
             let widths = q4_1.iter().map(|m| m.rows()).collect();
             let stacked = Q4_1Matrix::concat_rows(&q4_1)?;
             return Ok(Self::One(Linear::Q4_1(Arc::new(stacked)), widths));
+        }
+        let on_gpu = parts.iter().all(|p| match p {
+            Linear::Candle(QMatMul::QTensor(q)) => !q.device().is_cpu(),
+            _ => false,
+        });
+        if on_gpu {
+            let quantized: Vec<&QTensor> = parts
+                .iter()
+                .filter_map(|p| match p {
+                    Linear::Candle(QMatMul::QTensor(q)) => Some(q.as_ref()),
+                    _ => None,
+                })
+                .collect();
+            if let Some((stacked, widths)) = stack_rows(&quantized)? {
+                return Ok(Self::One(
+                    Linear::Candle(QMatMul::from_arc(Arc::new(stacked))?),
+                    widths,
+                ));
+            }
         }
         Ok(Self::Many(parts))
     }
@@ -64,5 +87,94 @@ impl Stacked {
                     .collect()
             }
         }
+    }
+}
+
+/// Quantized matrices of one format and width as one, their rows one after another (a row's blocks are its own, so
+/// the bytes are simply laid end to end), and each part's rows; `None` when they differ in format or width, or
+/// there is only one.
+fn stack_rows(parts: &[&QTensor]) -> Result<Option<(QTensor, Vec<usize>)>> {
+    let Some(first) = parts.first() else {
+        return Ok(None);
+    };
+    let (dtype, device) = (first.dtype(), first.device());
+    let cols = first.shape().dims().get(1).copied();
+    let alike = parts.iter().all(|q| {
+        q.rank() == 2
+            && q.dtype() == dtype
+            && q.shape().dims().get(1).copied() == cols
+            && q.device().same_device(&device)
+    });
+    let (true, Some(cols), 2..) = (alike, cols, parts.len()) else {
+        return Ok(None);
+    };
+    let mut bytes = Vec::new();
+    let mut widths = Vec::with_capacity(parts.len());
+    for q in parts {
+        bytes.extend_from_slice(&q.data()?);
+        widths.push(q.shape().dims()[0]);
+    }
+    let rows = widths.iter().sum::<usize>();
+    let storage = QStorage::from_data(Cow::Owned(bytes), &device, dtype)?;
+    Ok(Some((QTensor::new(storage, (rows, cols))?, widths)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::stack_rows;
+    use crate::compute::linear::test_matrix;
+    use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+    use candle_core::{Module, Tensor};
+    use std::sync::Arc;
+
+    /// Stacked quantized matrices give each part's products bit for bit, on the CPU and, where there is one, on a
+    /// GPU (where [`super::Stacked::new`] stacks them).
+    #[test]
+    fn stacked_quantized_rows_give_each_parts_products() {
+        for device in crate::compute::placement::test_devices() {
+            let matrix = |rows: usize, seed: u64| {
+                let w = test_matrix(rows, 256, seed);
+                Arc::new(QTensor::quantize_onto(&w, GgmlDType::Q4_1, &device).unwrap())
+            };
+            let parts = [matrix(64, 1), matrix(32, 2), matrix(32, 3)];
+            let refs: Vec<&QTensor> = parts.iter().map(Arc::as_ref).collect();
+            let (stacked, widths) = stack_rows(&refs).unwrap().unwrap();
+            assert_eq!(widths, [64, 32, 32]);
+            assert_eq!(stacked.shape().dims(), [128, 256]);
+            assert!(stacked.device().same_device(&device));
+            let whole = QMatMul::from_arc(Arc::new(stacked)).unwrap();
+            let bits = |t: &Tensor| {
+                t.contiguous()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            };
+            for rows in [1, 3, 16] {
+                let x = test_matrix(rows, 256, 9).to_device(&device).unwrap();
+                let y = whole.forward(&x).unwrap();
+                let mut start = 0;
+                for (part, &width) in parts.iter().zip(&widths) {
+                    let alone = QMatMul::from_arc(part.clone())
+                        .unwrap()
+                        .forward(&x)
+                        .unwrap();
+                    let mine = y.narrow(1, start, width).unwrap();
+                    assert_eq!(bits(&mine), bits(&alone), "{device:?}, {rows} rows");
+                    start += width;
+                }
+            }
+        }
+        // Different widths or formats are not stacked, nor is a lone matrix.
+        let quantized = |cols: usize, dtype: GgmlDType| {
+            QTensor::quantize(&test_matrix(32, cols, 4), dtype).unwrap()
+        };
+        let first = quantized(256, GgmlDType::Q4_1);
+        let wider = quantized(512, GgmlDType::Q4_1);
+        let q8 = quantized(256, GgmlDType::Q8_0);
+        assert!(stack_rows(&[&first, &wider]).unwrap().is_none());
+        assert!(stack_rows(&[&first, &q8]).unwrap().is_none());
+        assert!(stack_rows(&[&first]).unwrap().is_none());
     }
 }
