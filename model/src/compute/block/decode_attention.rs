@@ -2,14 +2,15 @@
 //!
 //! On a GPU each candle op is a kernel launch with host work around it, and a decode step's arithmetic is small:
 //! one session's attention through candle's ops costs about fourteen launches per block (views, two RoPEs, dtype
-//! casts, the cache's writes, scores, softmax, the weighted sum), so 16 sessions batched into one step paid 16 times
-//! that while the matmuls they share paid once (on an H200, 16 sessions' step spent 89–91 ms in the blocks, a
-//! lone one 10–11 ms). Here the sessions' queries are rotated together, each session's new key and value are written into its
-//! own cache (two copies), and every query scores the keys of all the sessions at once, laid end to end, with a
-//! mask that keeps each query to its own session's keys (and window): about four launches per session and twenty
-//! for the step (the same 16 sessions: 36–37 ms). The masked scores are exactly zero after the softmax, so each session's result is its own
-//! attention's; only the order in which the device sums differs from a session run alone (tested to f32
-//! rounding).
+//! casts, the cache's writes, scores, softmax, the weighted sum), so 16 sessions batched into one step paid 16
+//! times that while the matmuls they share paid once (on an H200, 16 sessions' step spent 89–91 ms in the
+//! blocks, a lone one 10–11 ms). Here the sessions' queries and keys are rotated together, each session's new key
+//! and value written into its own cache with one copy (a cache of tensors holds both in one buffer), and every
+//! query scores the keys of all the sessions at once, laid end to end (one copy per session), with a mask that
+//! keeps each query to its own session's keys (and window): two launches per session and about thirty for the
+//! step (the same 16 sessions: 26–28 ms). The masked scores are exactly zero after the softmax, so each session's
+//! result is its own attention's; only the order in which the device sums differs from a session run alone
+//! (tested to f32 rounding).
 //!
 //! On the CPU this path is not taken: f16 caches there have [`super::host_attention`], and f32 caches keep
 //! candle's per-session ops, whose arithmetic is the reference's bit for bit.
@@ -64,22 +65,25 @@ pub(crate) fn attend(
     let q = attn.rope.apply_each(&q, &positions)?;
     let k = normalise(&attn.rope.apply_each(&k, &positions)?, &placement)?;
     let v = normalise(&heads(&p.v, kv_heads)?, &placement)?;
+    // `[n, 2, kv_heads, 1, d]`: each session's key and value side by side, written with one op.
+    let pairs = Tensor::stack(&[&k, &v], 1)?;
     for (i, s) in sessions.iter_mut().enumerate() {
-        s.cache.append(&k.narrow(0, i, 1)?, &v.narrow(0, i, 1)?)?;
+        let pair = pairs.narrow(0, i, 1)?.reshape((2, 1, kv_heads, 1, d))?;
+        s.cache.append_pair(&pair)?;
     }
 
-    // Every session's keys and values end to end, `[kv_heads, keys, d]`, and which of them each query sees: keys
-    // `from..to` of the concatenation, session `i`'s own within its window (its query is at `positions[i]`).
-    let mut all_keys = Vec::with_capacity(n);
-    let mut all_values = Vec::with_capacity(n);
+    // Every session's keys and values end to end, `[2, 1, kv_heads, keys, d]` (one copy per session), and which of
+    // them each query sees: keys `from..to` of the concatenation, session `i`'s own within its window (its query
+    // is at `positions[i]`).
+    let mut all = Vec::with_capacity(n);
     let (mut from, mut to) = (Vec::with_capacity(n), Vec::with_capacity(n));
     let mut offset = 0usize;
     for s in sessions.iter() {
-        let (keys, values) = s
+        let pair = s
             .cache
-            .keys_values()
+            .pair()
             .ok_or_else(|| ModelError::Config("attention over an empty KV cache".into()))?;
-        let len = keys.dim(2)?;
+        let len = pair.dim(3)?;
         let last = (s.position + 1).min(len);
         let first = match attn.window {
             Some(w) => (s.position + 1).saturating_sub(w).min(last),
@@ -88,16 +92,10 @@ pub(crate) fn attend(
         from.push((offset + first) as u32);
         to.push((offset + last) as u32);
         offset += len;
-        all_keys.push(keys);
-        all_values.push(values);
+        all.push(pair);
     }
-    let concat = |parts: &[Tensor]| -> Result<Tensor> {
-        Ok(Tensor::cat(parts, 2)?
-            .squeeze(0)?
-            .to_dtype(DType::F32)?
-            .contiguous()?)
-    };
-    let (keys, values) = (concat(&all_keys)?, concat(&all_values)?);
+    let all = Tensor::cat(&all, 3)?.to_dtype(DType::F32)?.squeeze(1)?;
+    let (keys, values) = (all.get(0)?, all.get(1)?);
     let total = offset;
 
     // Queries grouped per KV head: `[kv_heads, n * group, d]`.

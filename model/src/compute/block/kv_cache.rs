@@ -1,7 +1,9 @@
 //! One block's keys and values for one session, on that block's device and dtype, written in place.
 //!
 //! The buffers are `[batch, kv_heads, capacity, head_dim]`; a step writes its new positions into them and nothing
-//! older is copied. Capacity grows geometrically (so a long conversation copies its past O(log n) times, not once
+//! older is copied. A cache of tensors holds keys and values as the two halves of one `[2, batch, kv_heads,
+//! capacity, head_dim]` tensor, so that a batch of sessions' steps on a GPU writes and reads both with one op per
+//! session rather than two ([`super::decode_attention`]). Capacity grows geometrically (so a long conversation copies its past O(log n) times, not once
 //! per step) and never beyond the session's `max_length`, the positions its reservation paid for.
 //!
 //! An f16 cache on the CPU keeps its buffers as plain vectors rather than candle tensors: the batched attention
@@ -28,7 +30,8 @@ pub struct KvCache {
 
 #[derive(Debug)]
 enum Buffers {
-    Tensors(Tensor, Tensor),
+    /// Keys and values, `[2, batch, kv_heads, capacity, head_dim]`.
+    Tensors(Tensor),
     Host(HostKv),
 }
 
@@ -88,7 +91,7 @@ impl KvCache {
     /// Positions the buffers can hold before they grow.
     pub fn capacity(&self) -> usize {
         match &self.buffers {
-            Some(Buffers::Tensors(k, _)) => k.dims()[2],
+            Some(Buffers::Tensors(kv)) => kv.dims()[3],
             Some(Buffers::Host(h)) => h.dims.2,
             None => 0,
         }
@@ -97,9 +100,7 @@ impl KvCache {
     /// Bytes of device memory the cache holds (its capacity, not just the positions used).
     pub fn bytes(&self) -> usize {
         match &self.buffers {
-            Some(Buffers::Tensors(k, v)) => {
-                (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()
-            }
+            Some(Buffers::Tensors(kv)) => kv.elem_count() * kv.dtype().size_in_bytes(),
             Some(Buffers::Host(h)) => (h.k.len() + h.v.len()) * std::mem::size_of::<f16>(),
             None => 0,
         }
@@ -137,9 +138,9 @@ impl KvCache {
                 }
             }
             None => {
-                if let Some(Buffers::Tensors(kb, vb)) = &self.buffers {
-                    kb.slice_set(&k, 2, len)?;
-                    vb.slice_set(&v, 2, len)?;
+                if let Some(Buffers::Tensors(kv)) = &self.buffers {
+                    kv.get(0)?.slice_set(&k, 2, len)?;
+                    kv.get(1)?.slice_set(&v, 2, len)?;
                 }
             }
         }
@@ -156,7 +157,7 @@ impl KvCache {
         tokens: usize,
     ) -> Result<Option<&mut HostKv>> {
         let held = match &self.buffers {
-            Some(Buffers::Tensors(k, _)) => Some(k.dims().to_vec()),
+            Some(Buffers::Tensors(kv)) => Some(kv.dims()[1..].to_vec()),
             Some(Buffers::Host(h)) => Some(vec![h.dims.0, h.dims.1, h.dims.2, h.dims.3]),
             None => None,
         };
@@ -192,13 +193,48 @@ impl KvCache {
         }
     }
 
+    /// Writes new keys and values after those held, given as one `[2, batch, kv_heads, tokens, head_dim]` tensor
+    /// (keys first): one op for both. Normalised to the cache's placement first, as [`Self::append`] does. For
+    /// caches of tensors; a host cache is refused (its callers write it in place).
+    pub(crate) fn append_pair(&mut self, kv: &Tensor) -> Result<()> {
+        let kv = normalise(kv, &self.placement)?.contiguous()?;
+        let (two, b, heads, tokens, dim) = kv.dims5()?;
+        if two != 2 {
+            return Err(shape_error(
+                "keys and values",
+                &[2, b, heads, tokens, dim],
+                kv.dims(),
+            ));
+        }
+        let len = self.len;
+        if self.host_step((b, heads, dim), tokens)?.is_some() {
+            return Err(ModelError::Config(
+                "keys and values as one tensor for a cache in host memory".into(),
+            ));
+        }
+        if let Some(Buffers::Tensors(buffer)) = &self.buffers {
+            buffer.slice_set(&kv, 3, len)?;
+        }
+        self.len += tokens;
+        Ok(())
+    }
+
+    /// Keys and values of the positions held as one view, `[2, batch, kv_heads, len, head_dim]`, for a cache of
+    /// tensors; `None` for a host cache or an empty one.
+    pub(crate) fn pair(&self) -> Option<Tensor> {
+        match self.buffers.as_ref()? {
+            Buffers::Tensors(kv) => kv.narrow(3, 0, self.len).ok(),
+            Buffers::Host(_) => None,
+        }
+    }
+
     /// The positions held (`[batch, kv_heads, len, head_dim]`): views into tensor buffers (not contiguous once
     /// the capacity exceeds the length), copies of host ones.
     pub fn keys_values(&self) -> Option<(Tensor, Tensor)> {
         match self.buffers.as_ref()? {
-            Buffers::Tensors(k, v) => Some((
-                k.narrow(2, 0, self.len).ok()?,
-                v.narrow(2, 0, self.len).ok()?,
+            Buffers::Tensors(kv) => Some((
+                kv.get(0).ok()?.narrow(2, 0, self.len).ok()?,
+                kv.get(1).ok()?.narrow(2, 0, self.len).ok()?,
             )),
             Buffers::Host(h) => {
                 let (b, heads, _, d) = h.dims;
@@ -276,13 +312,11 @@ impl KvCache {
             return Ok(());
         }
         let p = &self.placement;
-        let alloc = || Tensor::zeros((b, heads, grown, dim), p.dtype, &p.device);
-        let (k, v) = (alloc()?, alloc()?);
-        if let Some((old_k, old_v)) = self.keys_values() {
-            k.slice_set(&old_k.contiguous()?, 2, 0)?;
-            v.slice_set(&old_v.contiguous()?, 2, 0)?;
+        let kv = Tensor::zeros((2, b, heads, grown, dim), p.dtype, &p.device)?;
+        if let Some(old) = self.pair() {
+            kv.slice_set(&old.contiguous()?, 3, 0)?;
         }
-        self.buffers = Some(Buffers::Tensors(k, v));
+        self.buffers = Some(Buffers::Tensors(kv));
         Ok(())
     }
 }
@@ -292,5 +326,62 @@ fn shape_error(what: &str, expected: &[usize], actual: &[usize]) -> ModelError {
         name: format!("cached {what}"),
         expected: expected.to_vec(),
         actual: actual.to_vec(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KvCache;
+    use crate::compute::placement::Placement;
+    use candle_core::{DType, Device, Tensor};
+
+    fn values(t: &Tensor) -> Vec<f32> {
+        t.to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    /// Keys and values written as one pair hold what two appends hold, across the buffers' growth (past the
+    /// smallest capacity), in both dtypes; a host cache and a tensor not of two halves are refused.
+    #[test]
+    fn pairs_hold_what_appends_hold() {
+        for dtype in [DType::F32, DType::F16] {
+            let placement = Placement::new(Device::Cpu, dtype);
+            let (mut pairs, mut appends) = (
+                KvCache::with_tensor_buffers(placement.clone(), 200),
+                KvCache::with_tensor_buffers(placement.clone(), 200),
+            );
+            let mut seed = 0u64;
+            for tokens in [3, 1, 70, 1, 1, 60] {
+                seed += 1;
+                let kv = crate::compute::linear::test_matrix(2 * 2 * tokens, 8, seed)
+                    .reshape((2, 1, 2, tokens, 8))
+                    .unwrap();
+                pairs.append_pair(&kv).unwrap();
+                appends
+                    .append(&kv.get(0).unwrap(), &kv.get(1).unwrap())
+                    .unwrap();
+                assert_eq!(pairs.len(), appends.len());
+                let (pk, pv) = pairs.keys_values().unwrap();
+                let (ak, av) = appends.keys_values().unwrap();
+                assert_eq!(values(&pk), values(&ak));
+                assert_eq!(values(&pv), values(&av));
+                let pair = pairs.pair().unwrap();
+                assert_eq!(pair.dims(), [2, 1, 2, pairs.len(), 8]);
+                assert_eq!(values(&pair.get(0).unwrap()), values(&ak));
+            }
+            assert!(pairs.capacity() >= 136 && pairs.capacity() <= 200);
+            let three = Tensor::zeros((3, 1, 2, 1, 8), dtype, &Device::Cpu).unwrap();
+            assert!(pairs.append_pair(&three).is_err());
+            assert_eq!(pairs.len(), 136);
+        }
+        let mut host = KvCache::new(Placement::new(Device::Cpu, DType::F16), 8);
+        assert!(host.is_host());
+        let kv = Tensor::zeros((2, 1, 2, 1, 8), DType::F16, &Device::Cpu).unwrap();
+        assert!(host.append_pair(&kv).is_err());
+        assert!(host.pair().is_none());
     }
 }
