@@ -133,10 +133,10 @@ pub(crate) fn attend(
 #[cfg(test)]
 mod tests {
     use super::super::attention::SessionRows;
+    use super::super::test_blocks::largest_abs as largest;
     use super::super::{Block, KvCache};
     use crate::compute::linear::test_matrix;
     use crate::compute::placement::{test_devices as devices, Placement};
-    use crate::{BlockRange, ModelSource};
     use candle_core::{DType, Device, Tensor};
 
     /// Sessions with prompts of `prompts` tokens through `block`'s attention, one after another (candle's ops),
@@ -194,18 +194,6 @@ mod tests {
                 for (i, cache) in alone.iter_mut().enumerate() {
                     let each = attn.attend(&p, (i, 1, 1), positions[i], cache).unwrap();
                     let mine = together.narrow(1, i, 1).unwrap();
-                    let largest = |t: &Tensor| {
-                        t.to_dtype(DType::F32)
-                            .unwrap()
-                            .abs()
-                            .unwrap()
-                            .flatten_all()
-                            .unwrap()
-                            .max(0)
-                            .unwrap()
-                            .to_scalar::<f32>()
-                            .unwrap()
-                    };
                     let diff = largest(
                         &(mine.to_dtype(DType::F32).unwrap() - each.to_dtype(DType::F32).unwrap())
                             .unwrap(),
@@ -245,22 +233,12 @@ mod tests {
     }
 
     fn blocks_of(path: &std::path::Path, device: &Device) -> (Vec<Block>, usize) {
-        let source = ModelSource::open(path).unwrap();
-        let range = BlockRange::new(0, source.spec().num_blocks);
-        let placement = Placement::new(device.clone(), DType::F32);
-        let span = source.load_span_on(range, &placement).unwrap();
-        (span.blocks().to_vec(), source.spec().hidden_size)
+        super::super::test_blocks::blocks_of(path, &Placement::new(device.clone(), DType::F32))
     }
 
     #[test]
     fn one_token_steps_together_equal_each_alone_on_smollm2() {
-        let path =
-            crate::models_dir::find_model(crate::models_dir::DEFAULT_MODEL).unwrap_or_else(|| {
-                panic!(
-                    "{}",
-                    crate::models_dir::missing_model(crate::models_dir::DEFAULT_MODEL)
-                )
-            });
+        let path = super::super::test_blocks::default_model();
         for device in devices() {
             let (blocks, hidden) = blocks_of(&path, &device);
             same_as_each_alone(&blocks[0], hidden, &[5, 1, 9, 3], 4);
@@ -273,32 +251,19 @@ mod tests {
     #[cfg(feature = "synthetic")]
     #[test]
     fn one_token_steps_together_equal_each_alone_for_every_family() {
-        use crate::synthetic::{write_model, SyntheticFamily, WeightDType, MINI};
         for device in devices() {
-            for family in SyntheticFamily::ALL {
-                let dir = tempfile::tempdir().unwrap();
-                let shape = crate::synthetic::SyntheticShape {
-                    sliding_window: Some(4),
-                    ..MINI.with_family(family)
-                };
-                write_model(dir.path(), &shape, WeightDType::F32, 7).unwrap();
-                let (blocks, hidden) = blocks_of(dir.path(), &device);
+            let placement = Placement::new(device, DType::F32);
+            super::super::test_blocks::for_each_family(&placement, |blocks, hidden| {
                 for block in blocks.iter().take(2) {
                     same_as_each_alone(block, hidden, &[6, 1, 3, 9], 6);
                 }
-            }
+            });
         }
     }
 
     #[test]
     fn steps_of_another_kind_are_left_to_the_other_paths() {
-        let path =
-            crate::models_dir::find_model(crate::models_dir::DEFAULT_MODEL).unwrap_or_else(|| {
-                panic!(
-                    "{}",
-                    crate::models_dir::missing_model(crate::models_dir::DEFAULT_MODEL)
-                )
-            });
+        let path = super::super::test_blocks::default_model();
         let (blocks, hidden) = blocks_of(&path, &Device::Cpu);
         let attn = &blocks[0].attn;
         let f32_cpu = Placement::cpu_f32();

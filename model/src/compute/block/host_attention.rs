@@ -219,7 +219,6 @@ mod tests {
     use super::super::{Block, BlockStep, KvCache};
     use crate::compute::linear::test_matrix;
     use crate::compute::placement::Placement;
-    use crate::{BlockRange, ModelSource};
     use candle_core::{DType, Tensor};
 
     /// Steps of several sessions through `block`, batched, with host caches and with f16 caches of tensors (the
@@ -310,24 +309,14 @@ mod tests {
         }
     }
 
-    /// The model's blocks and its hidden size.
+    /// The model's blocks on the CPU in f32 and its hidden size.
     fn blocks_of(path: &std::path::Path) -> (Vec<Block>, usize) {
-        let source = ModelSource::open(path).unwrap();
-        let range = BlockRange::new(0, source.spec().num_blocks);
-        let span = source.load_span_on(range, &Placement::cpu_f32()).unwrap();
-        (span.blocks().to_vec(), source.spec().hidden_size)
+        super::super::test_blocks::blocks_of(path, &Placement::cpu_f32())
     }
 
     #[test]
     fn equals_the_candle_path_bit_for_bit_on_smollm2() {
-        let path =
-            crate::models_dir::find_model(crate::models_dir::DEFAULT_MODEL).unwrap_or_else(|| {
-                panic!(
-                    "{}",
-                    crate::models_dir::missing_model(crate::models_dir::DEFAULT_MODEL)
-                )
-            });
-        let (blocks, hidden) = blocks_of(&path);
+        let (blocks, hidden) = blocks_of(&super::super::test_blocks::default_model());
         // Prompts of several lengths batched with a lone token, a session of two sequences, and a context long
         // enough for the kernel to spread one session over the threads.
         same_as_candle_path((&blocks[0], hidden), &[5, 1, 9, 3], (2, 2), 4);
@@ -340,18 +329,10 @@ mod tests {
     #[cfg(feature = "synthetic")]
     #[test]
     fn equals_the_candle_path_bit_for_bit_for_every_family() {
-        use crate::synthetic::{write_model, SyntheticFamily, WeightDType, MINI};
-        for family in SyntheticFamily::ALL {
-            let dir = tempfile::tempdir().unwrap();
-            let shape = crate::synthetic::SyntheticShape {
-                sliding_window: Some(4),
-                ..MINI.with_family(family)
-            };
-            write_model(dir.path(), &shape, WeightDType::F32, 7).unwrap();
-            let (blocks, hidden) = blocks_of(dir.path());
+        super::super::test_blocks::for_each_family(&Placement::cpu_f32(), |blocks, hidden| {
             for block in blocks.iter().take(2) {
                 same_as_candle_path((block, hidden), &[6, 1, 3], (1, 2), 6);
             }
-        }
+        });
     }
 }

@@ -12,6 +12,8 @@ mod mlp;
 mod moe;
 mod rope;
 mod swiglu;
+#[cfg(test)]
+mod test_blocks;
 
 pub use attention::Attention;
 use attention::SessionRows;

@@ -543,16 +543,7 @@ mod tests {
     }
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
+        super::super::test_blocks::largest_abs(&(a - b).unwrap())
     }
 
     /// The kernel against the reference, over keys and values that are views into buffers with room to grow (as
