@@ -140,6 +140,22 @@ impl Attention {
         }
     }
 
+    /// The keys `first..last` (of `context` held) that any of `queries` queries from position `first_query` on may
+    /// see: none after the last query, none before the first query's window.
+    pub(crate) fn visible_keys(
+        &self,
+        first_query: usize,
+        queries: usize,
+        context: usize,
+    ) -> (usize, usize) {
+        let last = (first_query + queries).min(context);
+        let first = match self.window {
+            Some(w) => (first_query + 1).saturating_sub(w).min(last),
+            None => 0,
+        };
+        (first, last)
+    }
+
     /// The output projection of every session's attention rows at once.
     pub(crate) fn output(&self, y: &Tensor) -> Result<Tensor> {
         self.o.forward(y)
@@ -208,11 +224,7 @@ impl Attention {
             // Keys before the chunk's first query's window, and after its last query, are never seen by any of
             // its queries: leave them out (a prompt's chunks score about half of the `T x T` pairs, not all).
             let first_query = position + start;
-            let last_key = (first_query + n).min(context);
-            let first_key = match self.window {
-                Some(w) => (first_query + 1).saturating_sub(w).min(last_key),
-                None => 0,
-            };
+            let (first_key, last_key) = self.visible_keys(first_query, n, context);
             let keys = last_key - first_key;
             let (kc, vc) = if keys == context {
                 (k.clone(), v.clone())

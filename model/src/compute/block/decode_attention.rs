@@ -62,8 +62,12 @@ pub(crate) fn attend(
         k = kn.forward(&k)?;
     }
     let positions: Vec<usize> = sessions.iter().map(|s| s.position).collect();
-    let q = attn.rope.apply_each(&q, &positions)?;
-    let k = normalise(&attn.rope.apply_each(&k, &positions)?, &placement)?;
+    let [q, k]: [Tensor; 2] = attn
+        .rope
+        .apply_each(&[&q, &k], &positions)?
+        .try_into()
+        .map_err(|_| ModelError::Config("RoPE lost the queries or keys".into()))?;
+    let k = normalise(&k, &placement)?;
     let v = normalise(&heads(&p.v, kv_heads)?, &placement)?;
     // `[n, 2, kv_heads, 1, d]`: each session's key and value side by side, written with one op.
     let pairs = Tensor::stack(&[&k, &v], 1)?;
@@ -84,11 +88,7 @@ pub(crate) fn attend(
             .pair()
             .ok_or_else(|| ModelError::Config("attention over an empty KV cache".into()))?;
         let len = pair.dim(3)?;
-        let last = (s.position + 1).min(len);
-        let first = match attn.window {
-            Some(w) => (s.position + 1).saturating_sub(w).min(last),
-            None => 0,
-        };
+        let (first, last) = attn.visible_keys(s.position, 1, len);
         from.push((offset + first) as u32);
         to.push((offset + last) as u32);
         offset += len;

@@ -65,18 +65,10 @@ impl Rope {
         })
     }
 
-    /// Rotates `x` of shape `[sequences, heads, 1, head_dim]`, one token per sequence, sequence `i` at
-    /// `positions[i]`: one gather of the tables' rows and one rotation for all of them, with the same arithmetic per
-    /// element as [`Self::apply`] on each sequence alone.
-    pub fn apply_each(&self, x: &Tensor, positions: &[usize]) -> Result<Tensor> {
-        let (sequences, _, tokens, head_dim) = x.dims4()?;
-        if tokens != 1 || sequences != positions.len() {
-            return Err(ModelError::TensorShape {
-                name: "rotated rows".into(),
-                expected: vec![positions.len(), x.dim(1)?, 1, head_dim],
-                actual: x.dims().to_vec(),
-            });
-        }
+    /// Rotates each of `xs` (`[sequences, heads, 1, head_dim]`, one token per sequence, sequence `i` at
+    /// `positions[i]`; queries and keys, say): one gather of the tables' rows serves them all, and each is one
+    /// rotation, with the same arithmetic per element as [`Self::apply`] on each sequence alone.
+    pub fn apply_each(&self, xs: &[&Tensor], positions: &[usize]) -> Result<Vec<Tensor>> {
         if let Some(&position) = positions.iter().find(|&&p| p >= self.max_position) {
             return Err(ModelError::TooLong {
                 position,
@@ -84,19 +76,28 @@ impl Rope {
                 max_length: self.max_position,
             });
         }
+        let sequences = positions.len();
+        let half = self.cos.dim(1)?;
         let rows: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
         let rows = Tensor::from_vec(rows, sequences, self.cos.device())?;
         // `[sequences, 1, head_dim / 2]`: candle's kernels take one table per sequence.
         let table = |t: &Tensor| -> Result<Tensor> {
-            Ok(t.index_select(&rows, 0)?
-                .reshape((sequences, 1, head_dim / 2))?)
+            Ok(t.index_select(&rows, 0)?.reshape((sequences, 1, half))?)
         };
         let (cos, sin) = (table(&self.cos)?, table(&self.sin)?);
-        let x = x.contiguous()?;
-        Ok(match self.style {
-            RopeStyle::Half => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
-            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
-        })
+        xs.iter()
+            .map(|x| {
+                let (n, heads, tokens, head_dim) = x.dims4()?;
+                if (n, tokens, head_dim) != (sequences, 1, 2 * half) {
+                    return Err(ModelError::TensorShape {
+                        name: "rotated rows".into(),
+                        expected: vec![sequences, heads, 1, 2 * half],
+                        actual: x.dims().to_vec(),
+                    });
+                }
+                self.rotate(x, &cos, &sin)
+            })
+            .collect()
     }
 
     /// The tables read in place, when they are f32 on the CPU and laid out from their start (they always are when
@@ -127,10 +128,15 @@ impl Rope {
         }
         let cos = self.cos.narrow(0, position, tokens)?;
         let sin = self.sin.narrow(0, position, tokens)?;
+        self.rotate(x, &cos, &sin)
+    }
+
+    /// `x` rotated by candle's fused kernel of this table's style, with tables already taken for its positions.
+    fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let x = x.contiguous()?;
         Ok(match self.style {
-            RopeStyle::Half => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
-            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
+            RopeStyle::Half => candle_nn::rotary_emb::rope(&x, cos, sin)?,
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, cos, sin)?,
         })
     }
 }

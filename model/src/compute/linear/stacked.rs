@@ -32,19 +32,16 @@ impl Stacked {
             let stacked = Q4_1Matrix::concat_rows(&q4_1)?;
             return Ok(Self::One(Linear::Q4_1(Arc::new(stacked)), widths));
         }
-        let on_gpu = parts.iter().all(|p| match p {
-            Linear::Candle(QMatMul::QTensor(q)) => !q.device().is_cpu(),
-            _ => false,
-        });
-        if on_gpu {
-            let quantized: Vec<&QTensor> = parts
-                .iter()
-                .filter_map(|p| match p {
-                    Linear::Candle(QMatMul::QTensor(q)) => Some(q.as_ref()),
-                    _ => None,
-                })
-                .collect();
-            if let Some((stacked, widths)) = stack_rows(&quantized)? {
+        // candle's quantized matrices on a GPU (on the CPU, the formats our kernels take are stacked above).
+        let on_gpu: Vec<&QTensor> = parts
+            .iter()
+            .filter_map(|p| match p {
+                Linear::Candle(QMatMul::QTensor(q)) if !q.device().is_cpu() => Some(q.as_ref()),
+                _ => None,
+            })
+            .collect();
+        if on_gpu.len() == parts.len() {
+            if let Some((stacked, widths)) = stack_rows(&on_gpu)? {
                 return Ok(Self::One(
                     Linear::Candle(QMatMul::from_arc(Arc::new(stacked))?),
                     widths,
