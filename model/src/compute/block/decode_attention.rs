@@ -1,14 +1,14 @@
-//! One attention call for the one-token steps of several sessions whose caches are tensors (a GPU's).
+//! One attention call for the one-token steps of several sessions whose caches share a block's arena (a GPU's).
 //!
 //! On a GPU each candle op is a kernel launch with host work around it, and a decode step's arithmetic is small:
 //! one session's attention through candle's ops costs about fourteen launches per block (views, two RoPEs, dtype
 //! casts, the cache's writes, scores, softmax, the weighted sum), so 16 sessions batched into one step paid 16
 //! times that while the matmuls they share paid once (on an H200, 16 sessions' step spent 89–91 ms in the
-//! blocks, a lone one 10–11 ms). Here the sessions' queries and keys are rotated together, each session's new key
-//! and value written into its own cache with one copy (a cache of tensors holds both in one buffer), and every
-//! query scores the keys of all the sessions at once, laid end to end (one copy per session), with a mask that
-//! keeps each query to its own session's keys (and window): two launches per session and about thirty for the
-//! step (the same 16 sessions: 26–28 ms). The masked scores are exactly zero after the softmax, so each session's
+//! blocks, a lone one 10–11 ms). Here the sessions' queries and keys are rotated together, every session's new
+//! key and value written into the block's [`super::kv_arena::KvArena`] with one scatter, the keys each query may
+//! see (its own session's, within its window) gathered from the arena end to end with one gather, and every query
+//! scored against all of them at once with a mask that keeps it to its own session's: about thirty launches a
+//! block whatever the number of sessions. The masked scores are exactly zero after the softmax, so each session's
 //! result is its own attention's; only the order in which the device sums differs from a session run alone
 //! (tested to f32 rounding).
 //!
@@ -18,6 +18,7 @@ use super::attention::{Attention, Projected, SessionRows};
 use crate::compute::placement::normalise;
 use crate::error::{ModelError, Result};
 use candle_core::{DType, Tensor};
+use std::sync::Arc;
 
 /// Whether a step's attention should go through [`attend`]: several sessions on a device other than the CPU.
 pub(crate) fn applies(p: &Projected, sessions: &[SessionRows<'_>]) -> bool {
@@ -26,31 +27,28 @@ pub(crate) fn applies(p: &Projected, sessions: &[SessionRows<'_>]) -> bool {
 
 /// Every session's attention for a step of one token each: `[1, sessions, heads * head_dim]`, each session's row
 /// where its query was. `None` (nothing written) when the step is not of that kind: a session with a prompt or
-/// several sequences, rows out of order or not the sessions' alone, caches in host memory or not all on one
-/// placement.
+/// several sequences, rows out of order or not the sessions' alone, caches not all in one arena.
 pub(crate) fn attend(
     attn: &Attention,
     p: &Projected,
     sessions: &mut [SessionRows<'_>],
 ) -> Result<Option<Tensor>> {
     let n = sessions.len();
-    let one_token_each = p.q.dims3()?.1 == n
-        && sessions
-            .iter()
-            .enumerate()
-            .all(|(i, s)| s.start == i && s.batch == 1 && s.tokens == 1 && !s.cache.is_host());
-    let Some(first) = sessions.first() else {
+    let Some(arena) = sessions.first().and_then(|s| s.cache.arena()).cloned() else {
         return Ok(None);
     };
-    let placement = first.cache.placement().clone();
-    let same_placement = |s: &SessionRows<'_>| {
-        let c = s.cache.placement();
-        c.device.same_device(&placement.device) && c.dtype == placement.dtype
-    };
-    if !one_token_each || !sessions.iter().all(same_placement) {
+    let (kv_heads, d) = (attn.num_kv_heads, attn.head_dim);
+    let one_token_each = p.q.dims3()?.1 == n
+        && sessions.iter().enumerate().all(|(i, s)| {
+            s.start == i
+                && s.batch == 1
+                && s.tokens == 1
+                && s.cache.arena().is_some_and(|a| Arc::ptr_eq(a, &arena))
+        });
+    if !one_token_each || arena.dims() != (kv_heads, d) {
         return Ok(None);
     }
-    let (kv_heads, d) = (attn.num_kv_heads, attn.head_dim);
+    let placement = arena.placement().clone();
     let group = attn.num_heads / kv_heads;
     // `[1, n, heads * d]` -> `[n, heads, 1, d]`: with one token per session, each session's `[1, heads, 1, d]`.
     let heads = |x: &Tensor, heads: usize| -> Result<Tensor> {
@@ -69,34 +67,49 @@ pub(crate) fn attend(
         .map_err(|_| ModelError::Config("RoPE lost the queries or keys".into()))?;
     let k = normalise(&k, &placement)?;
     let v = normalise(&heads(&p.v, kv_heads)?, &placement)?;
-    // `[n, 2, kv_heads, 1, d]`: each session's key and value side by side, written with one op.
-    let pairs = Tensor::stack(&[&k, &v], 1)?;
-    for (i, s) in sessions.iter_mut().enumerate() {
-        let pair = pairs.narrow(0, i, 1)?.reshape((2, 1, kv_heads, 1, d))?;
-        s.cache.append_pair(&pair)?;
+    let device = placement.device.clone();
+    // Room for one more position in each session's extent (which may move it, or grow the arena). Then, in one
+    // upload: where each session's new key and value go in the arena (`n`), the arena positions of the keys each
+    // query sees, every session's end to end (its own, within its window; its query is at `positions[i]`), and
+    // which session each of those keys is of.
+    for s in sessions.iter_mut() {
+        s.cache.host_step((1, kv_heads, d), 1)?;
     }
-
-    // Every session's keys and values end to end, `[2, 1, kv_heads, keys, d]` (one copy per session), and which of
-    // them each query sees: keys `from..to` of the concatenation, session `i`'s own within its window (its query
-    // is at `positions[i]`).
-    let mut all = Vec::with_capacity(n);
-    let (mut from, mut to) = (Vec::with_capacity(n), Vec::with_capacity(n));
-    let mut offset = 0usize;
-    for s in sessions.iter() {
-        let pair = s
+    let mut indices = Vec::with_capacity(n);
+    let (mut seen, mut owners) = (Vec::new(), Vec::new());
+    for (i, s) in sessions.iter().enumerate() {
+        let start = s
             .cache
-            .pair()
-            .ok_or_else(|| ModelError::Config("attention over an empty KV cache".into()))?;
-        let len = pair.dim(3)?;
-        let (first, last) = attn.visible_keys(s.position, 1, len);
-        from.push((offset + first) as u32);
-        to.push((offset + last) as u32);
-        offset += len;
-        all.push(pair);
+            .extent()
+            .ok_or_else(|| ModelError::Config("a KV cache of an arena holds no extent".into()))?
+            .start();
+        let len = s.cache.len();
+        indices.push((start + len) as u32);
+        let (first, last) = attn.visible_keys(s.position, 1, len + 1);
+        seen.extend((start + first..start + last).map(|t| t as u32));
+        owners.extend(std::iter::repeat_n(i as u32, last - first));
     }
-    let all = Tensor::cat(&all, 3)?.to_dtype(DType::F32)?.squeeze(1)?;
+    let total = seen.len();
+    indices.extend(seen);
+    indices.extend(owners);
+    let indices = Tensor::from_vec(indices, n + 2 * total, &device)?;
+
+    // `[2, kv_heads, n, d]`: keys, then values, session by session, each written at its session's position.
+    let pairs = Tensor::stack(&[&k, &v], 0)?
+        .reshape((2, n, kv_heads, d))?
+        .transpose(1, 2)?
+        .contiguous()?;
+    let at = indices
+        .narrow(0, 0, n)?
+        .reshape((1, 1, n, 1))?
+        .broadcast_as((2, kv_heads, n, d))?
+        .contiguous()?;
+    arena.scatter(&at, &pairs)?;
+    sessions.iter_mut().for_each(|s| s.cache.advance(1));
+    let all = arena
+        .gather(&indices.narrow(0, n, total)?)?
+        .to_dtype(DType::F32)?;
     let (keys, values) = (all.get(0)?, all.get(1)?);
-    let total = offset;
 
     // Queries grouped per KV head: `[kv_heads, n * group, d]`.
     let queries = q
@@ -110,15 +123,12 @@ pub(crate) fn attend(
         Some(cap) => ((scores / cap)?.tanh()? * cap)?,
         None => scores,
     };
-    let device = scores.device();
-    let key = Tensor::arange(0u32, total as u32, device)?.reshape((1, total))?;
-    let from = Tensor::from_vec(from, (n, 1), device)?;
-    let to = Tensor::from_vec(to, (n, 1), device)?;
-    // `[n, total]`, 1 where session `i`'s query sees key `j`.
-    let seen = (key.broadcast_ge(&from)? * key.broadcast_lt(&to)?)?;
+    // `[n, total]`, 1 where session `i`'s query sees key `j`: the key is of session `i`.
+    let owners = indices.narrow(0, n + total, total)?.reshape((1, total))?;
+    let seen = owners.broadcast_eq(&Tensor::arange(0u32, n as u32, &device)?.reshape((n, 1))?)?;
     let shape = (kv_heads, n, group, total);
     let seen = seen.reshape((1, n, 1, total))?.broadcast_as(shape)?;
-    let hidden = Tensor::new(f32::NEG_INFINITY, device)?.broadcast_as(shape)?;
+    let hidden = Tensor::new(f32::NEG_INFINITY, &device)?.broadcast_as(shape)?;
     let scores = seen.where_cond(&scores.reshape(shape)?, &hidden)?;
     let probs = candle_nn::ops::softmax_last_dim(&scores)?.reshape((kv_heads, n * group, total))?;
     let y = probs
@@ -134,27 +144,30 @@ pub(crate) fn attend(
 mod tests {
     use super::super::attention::SessionRows;
     use super::super::test_blocks::largest_abs as largest;
-    use super::super::{Block, KvCache};
+    use super::super::{Block, KvArena, KvCache};
     use crate::compute::linear::test_matrix;
     use crate::compute::placement::{test_devices as devices, Placement};
     use candle_core::{DType, Device, Tensor};
 
     /// Sessions with prompts of `prompts` tokens through `block`'s attention, one after another (candle's ops),
-    /// then `decode` steps of one token each: through [`super::attend`] for one copy of the caches and session by
-    /// session for another. Outputs agree to f32 rounding, and the caches are equal.
+    /// then `decode` steps of one token each: through [`super::attend`] for one copy of the caches (extents of one
+    /// arena) and session by session for another (tensors of their own). Outputs agree to f32 rounding, and the
+    /// caches are equal.
     fn same_as_each_alone(block: &Block, hidden: usize, prompts: &[usize], decode: usize) {
         let attn = &block.attn;
         let device = block.placement().device.clone();
         for kv_dtype in [DType::F32, DType::F16] {
             let placement = Placement::new(device.clone(), kv_dtype);
             let max = prompts.iter().max().unwrap() + decode;
-            let new = || -> Vec<KvCache> {
-                prompts
-                    .iter()
-                    .map(|_| KvCache::with_tensor_buffers(placement.clone(), max))
-                    .collect()
-            };
-            let (mut batched, mut alone) = (new(), new());
+            let arena = KvArena::new(placement.clone(), attn.num_kv_heads, attn.head_dim);
+            let mut batched: Vec<KvCache> = prompts
+                .iter()
+                .map(|_| KvCache::in_arena(arena.clone(), max))
+                .collect();
+            let mut alone: Vec<KvCache> = prompts
+                .iter()
+                .map(|_| KvCache::with_tensor_buffers(placement.clone(), max))
+                .collect();
             let mut seed = 10;
             let mut input = |rows: usize| {
                 seed += 1;
@@ -266,12 +279,12 @@ mod tests {
         let path = super::super::test_blocks::default_model();
         let (blocks, hidden) = blocks_of(&path, &Device::Cpu);
         let attn = &blocks[0].attn;
-        let f32_cpu = Placement::cpu_f32();
-        let f16_cpu = Placement::new(Device::Cpu, DType::F16);
+        let arena = |dtype| KvArena::new(Placement::new(Device::Cpu, dtype), 3, 64);
+        let f32_arena = arena(DType::F32);
         let mut caches = [
-            KvCache::with_tensor_buffers(f32_cpu.clone(), 8),
-            KvCache::with_tensor_buffers(f32_cpu.clone(), 8),
-            KvCache::new(f16_cpu, 8),
+            KvCache::in_arena(f32_arena.clone(), 8),
+            KvCache::in_arena(f32_arena.clone(), 8),
+            KvCache::new(Placement::new(Device::Cpu, DType::F16), 8),
         ];
         let lens = |c: &[KvCache]| c.iter().map(KvCache::len).collect::<Vec<_>>();
         let rows = |caches: &mut [KvCache], tokens: &[usize]| -> Option<Tensor> {
@@ -305,14 +318,22 @@ mod tests {
         assert!(rows(&mut caches[..2], &[2, 1]).is_none());
         assert!(rows(&mut caches, &[1, 1, 1]).is_none());
         assert_eq!(lens(&caches), [0, 0, 0]);
-        // One-token steps of two f32 caches of tensors: taken.
+        // One-token steps of two caches of one arena: taken.
         assert!(rows(&mut caches[..2], &[1, 1]).is_some());
         assert_eq!(lens(&caches), [1, 1, 0]);
-        // Caches of two placements: left alone.
-        let mut mixed = [
-            KvCache::with_tensor_buffers(Placement::cpu_f32(), 8),
-            KvCache::with_tensor_buffers(Placement::new(Device::Cpu, DType::F16), 8),
-        ];
-        assert!(rows(&mut mixed, &[1, 1]).is_none());
+        // Caches of two arenas, or of tensors of their own: left alone.
+        for mut other in [
+            [
+                KvCache::in_arena(f32_arena.clone(), 8),
+                KvCache::in_arena(arena(DType::F16), 8),
+            ],
+            [
+                KvCache::with_tensor_buffers(Placement::cpu_f32(), 8),
+                KvCache::with_tensor_buffers(Placement::cpu_f32(), 8),
+            ],
+        ] {
+            assert!(rows(&mut other, &[1, 1]).is_none());
+            assert_eq!(lens(&other), [0, 0]);
+        }
     }
 }

@@ -2,18 +2,21 @@
 //!
 //! The buffers are `[batch, kv_heads, capacity, head_dim]`; a step writes its new positions into them and nothing
 //! older is copied. A cache of tensors holds keys and values as the two halves of one `[2, batch, kv_heads,
-//! capacity, head_dim]` tensor, so that a batch of sessions' steps on a GPU writes and reads both with one op per
-//! session rather than two ([`super::decode_attention`]). Capacity grows geometrically (so a long conversation
+//! capacity, head_dim]` tensor, the layout of an arena's extent too. Capacity grows geometrically (so a long conversation
 //! copies its past O(log n) times, not once per step) and never beyond the session's `max_length`, the positions
 //! its reservation paid for.
 //!
 //! An f16 cache on the CPU keeps its buffers as plain vectors rather than candle tensors: the batched attention
 //! ([`super::host_attention`]) writes every session's new keys and values into them and reads them back within one
-//! parallel region, with no candle op (and no allocation) per session. Every other cache holds candle tensors.
+//! parallel region, with no candle op (and no allocation) per session. A cache on a GPU holds an extent of its
+//! block's [`KvArena`] (one tensor for every session's cache, so that a batch of their steps writes and reads them
+//! all with one op each, [`super::decode_attention`]); every other cache holds candle tensors of its own.
+use super::kv_arena::{Extent, KvArena};
 use crate::compute::placement::{normalise, Placement};
 use crate::error::{ModelError, Result};
 use candle_core::{DType, Device, Tensor};
 use half::f16;
+use std::sync::Arc;
 
 /// The smallest capacity allocated, in positions: short sessions grow at most a few times.
 const MIN_CAPACITY: usize = 64;
@@ -25,6 +28,8 @@ pub struct KvCache {
     buffers: Option<Buffers>,
     /// Whether buffers are [`HostKv`] (an f16 cache on the CPU) or tensors.
     host: bool,
+    /// Where a cache of one sequence takes its buffers from, if not tensors of its own.
+    arena: Option<Arc<KvArena>>,
     len: usize,
     max_len: usize,
 }
@@ -34,6 +39,8 @@ enum Buffers {
     /// Keys and values, `[2, batch, kv_heads, capacity, head_dim]`.
     Tensors(Tensor),
     Host(HostKv),
+    /// Positions of an arena, `[2, kv_heads, capacity, head_dim]` (one sequence).
+    Arena(Extent),
 }
 
 /// f16 keys and values in host memory, each `[batch, kv_heads, capacity, head_dim]` row-major.
@@ -61,8 +68,19 @@ impl KvCache {
             placement,
             buffers: None,
             host,
+            arena: None,
             len: 0,
             max_len,
+        }
+    }
+
+    /// An empty cache of at most `max_len` positions whose buffers are an extent of `arena` (when it holds one
+    /// sequence of the arena's heads; tensors of its own otherwise).
+    pub(crate) fn in_arena(arena: Arc<KvArena>, max_len: usize) -> Self {
+        Self {
+            host: false,
+            arena: Some(arena.clone()),
+            ..Self::new(arena.placement().clone(), max_len)
         }
     }
 
@@ -94,6 +112,7 @@ impl KvCache {
         match &self.buffers {
             Some(Buffers::Tensors(kv)) => kv.dims()[3],
             Some(Buffers::Host(h)) => h.dims.2,
+            Some(Buffers::Arena(e)) => e.capacity(),
             None => 0,
         }
     }
@@ -103,6 +122,10 @@ impl KvCache {
         match &self.buffers {
             Some(Buffers::Tensors(kv)) => kv.elem_count() * kv.dtype().size_in_bytes(),
             Some(Buffers::Host(h)) => (h.k.len() + h.v.len()) * std::mem::size_of::<f16>(),
+            Some(Buffers::Arena(e)) => {
+                let (heads, dim) = e.arena().dims();
+                2 * heads * e.capacity() * dim * self.placement.dtype.size_in_bytes()
+            }
             None => 0,
         }
     }
@@ -110,6 +133,19 @@ impl KvCache {
     /// Whether the buffers are host vectors that [`Self::host_step`] hands out.
     pub(crate) fn is_host(&self) -> bool {
         self.host
+    }
+
+    /// The arena the cache takes its buffers from, if any.
+    pub(crate) fn arena(&self) -> Option<&Arc<KvArena>> {
+        self.arena.as_ref()
+    }
+
+    /// The extent of the arena holding the cache, once it holds any.
+    pub(crate) fn extent(&self) -> Option<&Extent> {
+        match &self.buffers {
+            Some(Buffers::Arena(e)) => Some(e),
+            _ => None,
+        }
     }
 
     /// Writes new keys/values (`[batch, kv_heads, tokens, head_dim]`) after those held. They are normalised to the
@@ -138,12 +174,14 @@ impl KvCache {
                     host.v[at..at + vr.len()].copy_from_slice(vr);
                 }
             }
-            None => {
-                if let Some(Buffers::Tensors(kv)) = &self.buffers {
+            None => match &self.buffers {
+                Some(Buffers::Tensors(kv)) => {
                     kv.get(0)?.slice_set(&k, 2, len)?;
                     kv.get(1)?.slice_set(&v, 2, len)?;
                 }
-            }
+                Some(Buffers::Arena(e)) => e.write_halves(&k.squeeze(0)?, &v.squeeze(0)?, len)?,
+                _ => {}
+            },
         }
         self.len += tokens;
         Ok(())
@@ -160,6 +198,10 @@ impl KvCache {
         let held = match &self.buffers {
             Some(Buffers::Tensors(kv)) => Some(kv.dims()[1..].to_vec()),
             Some(Buffers::Host(h)) => Some(vec![h.dims.0, h.dims.1, h.dims.2, h.dims.3]),
+            Some(Buffers::Arena(e)) => {
+                let (heads, dim) = e.arena().dims();
+                Some(vec![1, heads, e.capacity(), dim])
+            }
             None => None,
         };
         if let Some(held) = held {
@@ -194,37 +236,12 @@ impl KvCache {
         }
     }
 
-    /// Writes new keys and values after those held, given as one `[2, batch, kv_heads, tokens, head_dim]` tensor
-    /// (keys first): one op for both. Normalised to the cache's placement first, as [`Self::append`] does. For
-    /// caches of tensors; a host cache is refused (its callers write it in place).
-    pub(crate) fn append_pair(&mut self, kv: &Tensor) -> Result<()> {
-        let kv = normalise(kv, &self.placement)?.contiguous()?;
-        let (two, b, heads, tokens, dim) = kv.dims5()?;
-        if two != 2 {
-            return Err(shape_error(
-                "keys and values",
-                &[2, b, heads, tokens, dim],
-                kv.dims(),
-            ));
-        }
-        let len = self.len;
-        if self.host_step((b, heads, dim), tokens)?.is_some() {
-            return Err(ModelError::Config(
-                "keys and values as one tensor for a cache in host memory".into(),
-            ));
-        }
-        if let Some(Buffers::Tensors(buffer)) = &self.buffers {
-            buffer.slice_set(&kv, 3, len)?;
-        }
-        self.len += tokens;
-        Ok(())
-    }
-
     /// Keys and values of the positions held as one view, `[2, batch, kv_heads, len, head_dim]`, for a cache of
     /// tensors; `None` for a host cache or an empty one.
     pub(crate) fn pair(&self) -> Option<Tensor> {
         match self.buffers.as_ref()? {
             Buffers::Tensors(kv) => kv.narrow(3, 0, self.len).ok(),
+            Buffers::Arena(e) => e.view(self.len).ok()?.unsqueeze(1).ok(),
             Buffers::Host(_) => None,
         }
     }
@@ -233,10 +250,10 @@ impl KvCache {
     /// the capacity exceeds the length), copies of host ones.
     pub fn keys_values(&self) -> Option<(Tensor, Tensor)> {
         match self.buffers.as_ref()? {
-            Buffers::Tensors(kv) => Some((
-                kv.get(0).ok()?.narrow(2, 0, self.len).ok()?,
-                kv.get(1).ok()?.narrow(2, 0, self.len).ok()?,
-            )),
+            Buffers::Tensors(_) | Buffers::Arena(_) => {
+                let kv = self.pair()?;
+                Some((kv.get(0).ok()?, kv.get(1).ok()?))
+            }
             Buffers::Host(h) => {
                 let (b, heads, _, d) = h.dims;
                 let take = |x: &[f16]| -> Option<Tensor> {
@@ -312,6 +329,16 @@ impl KvCache {
             self.buffers = Some(Buffers::Host(new));
             return Ok(());
         }
+        if let Some(arena) = self
+            .arena
+            .clone()
+            .filter(|a| b == 1 && a.dims() == (heads, dim))
+        {
+            // What is held moves into the new extent; the old one is released as it is replaced.
+            let grown = arena.allocate(grown, self.extent(), self.len)?;
+            self.buffers = Some(Buffers::Arena(grown));
+            return Ok(());
+        }
         let p = &self.placement;
         let kv = Tensor::zeros((2, b, heads, grown, dim), p.dtype, &p.device)?;
         if let Some(old) = self.pair() {
@@ -332,7 +359,7 @@ fn shape_error(what: &str, expected: &[usize], actual: &[usize]) -> ModelError {
 
 #[cfg(test)]
 mod tests {
-    use super::KvCache;
+    use super::{KvArena, KvCache};
     use crate::compute::placement::Placement;
     use candle_core::{DType, Device, Tensor};
 
@@ -345,44 +372,50 @@ mod tests {
             .unwrap()
     }
 
-    /// Keys and values written as one pair hold what two appends hold, across the buffers' growth (past the
-    /// smallest capacity), in both dtypes; a host cache and a tensor not of two halves are refused.
+    /// Caches of one sequence in one arena hold what caches of tensors of their own hold, in both dtypes, as two
+    /// of them grow in turn past the smallest capacity (moving each other's extents and growing the arena); a
+    /// cache of two sequences takes tensors of its own; clearing and dropping give the extents back.
     #[test]
-    fn pairs_hold_what_appends_hold() {
+    fn arena_caches_hold_what_caches_of_tensors_hold() {
         for dtype in [DType::F32, DType::F16] {
             let placement = Placement::new(Device::Cpu, dtype);
-            let (mut pairs, mut appends) = (
-                KvCache::with_tensor_buffers(placement.clone(), 200),
-                KvCache::with_tensor_buffers(placement.clone(), 200),
-            );
+            let arena = KvArena::new(placement.clone(), 2, 8);
+            let mut own = KvCache::with_tensor_buffers(placement.clone(), 200);
+            let mut shared = [
+                KvCache::in_arena(arena.clone(), 200),
+                KvCache::in_arena(arena.clone(), 200),
+            ];
             let mut seed = 0u64;
             for tokens in [3, 1, 70, 1, 1, 60] {
                 seed += 1;
                 let kv = crate::compute::linear::test_matrix(2 * 2 * tokens, 8, seed)
                     .reshape((2, 1, 2, tokens, 8))
                     .unwrap();
-                pairs.append_pair(&kv).unwrap();
-                appends
-                    .append(&kv.get(0).unwrap(), &kv.get(1).unwrap())
-                    .unwrap();
-                assert_eq!(pairs.len(), appends.len());
-                let (pk, pv) = pairs.keys_values().unwrap();
-                let (ak, av) = appends.keys_values().unwrap();
-                assert_eq!(values(&pk), values(&ak));
-                assert_eq!(values(&pv), values(&av));
-                let pair = pairs.pair().unwrap();
-                assert_eq!(pair.dims(), [2, 1, 2, pairs.len(), 8]);
-                assert_eq!(values(&pair.get(0).unwrap()), values(&ak));
+                let (k, v) = (kv.get(0).unwrap(), kv.get(1).unwrap());
+                own.append(&k, &v).unwrap();
+                let (ok, ov) = own.keys_values().unwrap();
+                for cache in shared.iter_mut() {
+                    cache.append(&k, &v).unwrap();
+                    assert_eq!((cache.len(), cache.capacity()), (own.len(), own.capacity()));
+                    let (k, v) = cache.keys_values().unwrap();
+                    assert_eq!(values(&k), values(&ok));
+                    assert_eq!(values(&v), values(&ov));
+                    let pair = cache.pair().unwrap();
+                    assert_eq!(pair.dims(), [2, 1, 2, cache.len(), 8]);
+                    assert_eq!(values(&pair.get(1).unwrap()), values(&ov));
+                }
             }
-            assert!(pairs.capacity() >= 136 && pairs.capacity() <= 200);
-            let three = Tensor::zeros((3, 1, 2, 1, 8), dtype, &Device::Cpu).unwrap();
-            assert!(pairs.append_pair(&three).is_err());
-            assert_eq!(pairs.len(), 136);
+            assert!(shared.iter().all(|c| c.extent().is_some()));
+            assert!(arena.capacity() >= 2 * own.capacity() && own.capacity() >= 136);
+            let mut two = KvCache::in_arena(arena.clone(), 8);
+            let kv = Tensor::zeros((2, 2, 1, 8), dtype, &Device::Cpu).unwrap();
+            two.append(&kv, &kv).unwrap();
+            assert!(two.extent().is_none() && two.pair().is_some());
+            let [mut first, second] = shared;
+            first.clear();
+            assert!(first.extent().is_none() && arena.capacity() > 0);
+            drop(second);
+            assert_eq!(arena.capacity(), 0);
         }
-        let mut host = KvCache::new(Placement::new(Device::Cpu, DType::F16), 8);
-        assert!(host.is_host());
-        let kv = Tensor::zeros((2, 1, 2, 1, 8), DType::F16, &Device::Cpu).unwrap();
-        assert!(host.append_pair(&kv).is_err());
-        assert!(host.pair().is_none());
     }
 }

@@ -4,6 +4,7 @@ mod attention;
 mod decode_attention;
 mod flash_attention;
 mod host_attention;
+mod kv_arena;
 mod kv_cache;
 // Only the x86 SwiGLU path uses it.
 #[cfg(target_arch = "x86_64")]
@@ -18,6 +19,7 @@ mod test_blocks;
 pub use attention::Attention;
 use attention::SessionRows;
 
+use kv_arena::KvArena;
 pub use kv_cache::KvCache;
 pub use mlp::Mlp;
 pub use moe::MixtureOfExperts;
@@ -30,6 +32,7 @@ use crate::compute::spec::ModelSpec;
 use crate::compute::weights::{BlockTensor, Weight, WeightSource};
 use crate::error::{ModelError, Result};
 use candle_core::{DType, Tensor};
+use std::sync::{Arc, Mutex};
 
 /// The block's feed-forward: one gated MLP, or a mixture of them.
 #[derive(Debug, Clone)]
@@ -59,6 +62,8 @@ pub struct Block {
     ffn: FeedForward,
     /// Norm of the feed-forward's output before its residual (Gemma).
     post_ffn_norm: Option<RmsNorm>,
+    /// The arenas of this block's caches on a GPU, one per KV dtype, made as sessions first ask.
+    arenas: Arc<Mutex<Vec<Arc<KvArena>>>>,
 }
 
 impl Block {
@@ -182,6 +187,7 @@ impl Block {
             ffn,
             post_ffn_norm: sandwich(BlockTensor::PostFfnNorm)?,
             placement,
+            arenas: Arc::default(),
         })
     }
 
@@ -194,13 +200,32 @@ impl Block {
     }
 
     /// A fresh, empty KV cache on this block's device, in `kv_dtype` (default: the block's compute dtype), for at
-    /// most `max_length` positions.
+    /// most `max_length` positions. On a GPU it takes its buffers from the block's arena of that dtype, which all
+    /// its sessions share.
     pub fn new_cache(&self, max_length: usize, kv_dtype: Option<DType>) -> KvCache {
-        let dtype = kv_dtype.unwrap_or(self.placement.dtype);
-        KvCache::new(
-            Placement::new(self.placement.device.clone(), dtype),
-            max_length,
-        )
+        let placement = Placement::new(
+            self.placement.device.clone(),
+            kv_dtype.unwrap_or(self.placement.dtype),
+        );
+        if placement.device.is_cpu() {
+            return KvCache::new(placement, max_length);
+        }
+        let mut arenas = self
+            .arenas
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let arena = match arenas
+            .iter()
+            .find(|a| a.placement().dtype == placement.dtype)
+        {
+            Some(arena) => arena.clone(),
+            None => {
+                let arena = KvArena::new(placement, self.attn.num_kv_heads, self.attn.head_dim);
+                arenas.push(arena.clone());
+                arena
+            }
+        };
+        KvCache::in_arena(arena, max_length)
     }
 
     /// `x`: `[batch, tokens, hidden]` for positions `position..position + tokens`. The input is normalised to this
