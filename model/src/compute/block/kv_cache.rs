@@ -2,9 +2,9 @@
 //!
 //! The buffers are `[batch, kv_heads, capacity, head_dim]`; a step writes its new positions into them and nothing
 //! older is copied. A cache of tensors holds keys and values as the two halves of one `[2, batch, kv_heads,
-//! capacity, head_dim]` tensor, the layout of an arena's extent too. Capacity grows geometrically (so a long conversation
-//! copies its past O(log n) times, not once per step) and never beyond the session's `max_length`, the positions
-//! its reservation paid for.
+//! capacity, head_dim]` tensor, the layout of an arena's extent too. Capacity grows geometrically (so a long
+//! conversation copies its past O(log n) times, not once per step) and never beyond the session's `max_length`,
+//! the positions its reservation paid for.
 //!
 //! An f16 cache on the CPU keeps its buffers as plain vectors rather than candle tensors: the batched attention
 //! ([`super::host_attention`]) writes every session's new keys and values into them and reads them back within one
