@@ -27,6 +27,8 @@ pub struct SpanLoader {
     split: Option<Vec<usize>>,
     dtype: DType,
     kv_dtype: Option<DType>,
+    /// The node's KV budget in positions: the size of each block's cache arena on a GPU.
+    cache_tokens: usize,
     progress: Option<indicatif::MultiProgress>,
 }
 
@@ -42,6 +44,7 @@ impl SpanLoader {
             split: config.split.clone(),
             dtype,
             kv_dtype: config.kv_dtype,
+            cache_tokens: config.cache_tokens,
             progress: config.progress.clone(),
         })
     }
@@ -84,6 +87,7 @@ impl SpanLoader {
         bar.finish_and_clear();
         let mut span = span?;
         span.set_kv_dtype(self.kv_dtype);
+        span.set_kv_budget(Some(self.cache_tokens));
         let span = Arc::new(span);
         let block_hashes = self.source.block_hashes(range)?;
         let devices = span_devices(&span);

@@ -16,6 +16,8 @@ pub struct BlockSpan {
     blocks: Vec<Block>,
     /// The dtype sessions' keys and values are stored in; `None`: each block's compute dtype.
     kv_dtype: Option<DType>,
+    /// The positions a block's caches hold together at most (a node's budget), bounding GPU arenas.
+    kv_budget: Option<usize>,
 }
 
 impl BlockSpan {
@@ -70,6 +72,7 @@ impl BlockSpan {
             range,
             blocks,
             kv_dtype: None,
+            kv_budget: None,
         })
     }
 
@@ -78,6 +81,13 @@ impl BlockSpan {
     /// keep theirs.
     pub fn set_kv_dtype(&mut self, dtype: Option<DType>) {
         self.kv_dtype = dtype;
+    }
+
+    /// The positions the sessions' caches of a block hold at most together (a node's KV budget): on a GPU, the
+    /// size of each block's arena ([`crate::compute::block`]), allocated whole with the first session. `None`
+    /// (the default): arenas grow as they need. Arenas already made keep theirs.
+    pub fn set_kv_budget(&mut self, positions: Option<usize>) {
+        self.kv_budget = positions;
     }
 
     pub fn range(&self) -> BlockRange {
@@ -118,7 +128,13 @@ impl BlockSpan {
             )));
         }
         let caches = (sub.start..sub.end)
-            .map(|i| self.blocks[i - self.range.start].new_cache(max_length, self.kv_dtype))
+            .map(|i| {
+                self.blocks[i - self.range.start].new_cache(
+                    max_length,
+                    self.kv_dtype,
+                    self.kv_budget,
+                )
+            })
             .collect();
         Ok(SpanCache {
             id: NEXT_CACHE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),

@@ -159,7 +159,13 @@ mod tests {
         for kv_dtype in [DType::F32, DType::F16] {
             let placement = Placement::new(device.clone(), kv_dtype);
             let max = prompts.iter().max().unwrap() + decode;
-            let arena = KvArena::new(placement.clone(), attn.num_kv_heads, attn.head_dim);
+            // Bounded, as a node's: allocated whole with the first extent.
+            let arena = KvArena::new(
+                placement.clone(),
+                attn.num_kv_heads,
+                attn.head_dim,
+                Some(4096),
+            );
             let mut batched: Vec<KvCache> = prompts
                 .iter()
                 .map(|_| KvCache::in_arena(arena.clone(), max))
@@ -279,7 +285,7 @@ mod tests {
         let path = super::super::test_blocks::default_model();
         let (blocks, hidden) = blocks_of(&path, &Device::Cpu);
         let attn = &blocks[0].attn;
-        let arena = |dtype| KvArena::new(Placement::new(Device::Cpu, dtype), 3, 64);
+        let arena = |dtype| KvArena::new(Placement::new(Device::Cpu, dtype), 3, 64, None);
         let f32_arena = arena(DType::F32);
         let mut caches = [
             KvCache::in_arena(f32_arena.clone(), 8),

@@ -9,8 +9,13 @@
 //! The arena is `[2, kv_heads, capacity, head_dim]` (keys, then values); a session owns a range of positions in it
 //! (an [`Extent`]), so its cache is a view (`narrow` on the position axis) exactly as its own buffer was, and a
 //! lone session's step costs what it did. An extent grows as a session's own buffer did (doubling, never past the
-//! session's reservation): a larger extent is taken and the positions held are copied into it. When no free range
-//! fits, the arena doubles and copies itself once; extents keep their positions. When the last extent is released
+//! session's reservation): a larger extent is taken and the positions held are copied into it.
+//!
+//! A node's arena is its KV budget (`--cache-tokens` positions, the memory it planned for when it chose how many
+//! blocks fit): allocated whole with the first extent, never grown, so neither a growth's copy nor a doubling can
+//! take the device past that plan. A cache that finds no free range there (the budget's positions are admitted,
+//! but a range may be cut up) takes tensors of its own instead. Without a budget (a local run) the arena doubles
+//! when no free range fits, copying itself once; extents keep their positions. When the last extent is released
 //! the arena frees its memory, so an idle node holds no cache.
 use crate::compute::placement::Placement;
 use crate::error::{ModelError, Result};
@@ -23,6 +28,8 @@ pub struct KvArena {
     placement: Placement,
     kv_heads: usize,
     head_dim: usize,
+    /// The positions it holds when bounded (a node's budget): allocated at once, never more.
+    budget: Option<usize>,
     state: Mutex<State>,
 }
 
@@ -44,11 +51,18 @@ pub(crate) struct Extent {
 }
 
 impl KvArena {
-    pub fn new(placement: Placement, kv_heads: usize, head_dim: usize) -> Arc<Self> {
+    /// An empty arena; `budget`: the positions it may hold at most, allocated with the first extent.
+    pub fn new(
+        placement: Placement,
+        kv_heads: usize,
+        head_dim: usize,
+        budget: Option<usize>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             placement,
             kv_heads,
             head_dim,
+            budget,
             state: Mutex::default(),
         })
     }
@@ -75,22 +89,20 @@ impl KvArena {
     }
 
     /// An extent of `capacity` positions holding what `old` holds in its first `held` positions (a cache growing;
-    /// `old` is released when its holder drops it).
+    /// `old` is released when its holder drops it). `None`: a bounded arena has no free range that long.
     pub(crate) fn allocate(
         self: &Arc<Self>,
         capacity: usize,
         old: Option<&Extent>,
         held: usize,
-    ) -> Result<Extent> {
+    ) -> Result<Option<Extent>> {
         let mut state = self.lock();
         let start = match state.take(capacity) {
             Some(start) => start,
-            None => {
-                self.grow(&mut state, capacity)?;
-                state.take(capacity).ok_or_else(|| {
-                    ModelError::Config("a KV arena grown for an extent has no room for it".into())
-                })?
-            }
+            None if self.grow(&mut state, capacity)? => state.take(capacity).ok_or_else(|| {
+                ModelError::Config("a KV arena grown for an extent has no room for it".into())
+            })?,
+            None => return Ok(None),
         };
         if let (Some(old), true) = (old, held > 0) {
             // One storage cannot be both the source and the destination of candle's copy: through a temporary.
@@ -103,11 +115,11 @@ impl KvArena {
                 return Err(e);
             }
         }
-        Ok(Extent {
+        Ok(Some(Extent {
             arena: self.clone(),
             start,
             capacity,
-        })
+        }))
     }
 
     /// Writes `src` into the arena at `ids` along the position axis (candle's `scatter_set`: `src` and `ids` of
@@ -123,14 +135,19 @@ impl KvArena {
         Ok(self.lock().storage()?.index_select(ids, 2)?)
     }
 
-    /// Makes room for an extent of `needed` positions: the arena at least doubles, what it holds is copied over.
-    fn grow(&self, state: &mut State, needed: usize) -> Result<()> {
+    /// Makes room for an extent of `needed` positions: a bounded arena's memory is allocated whole, once; an
+    /// unbounded one at least doubles, what it holds copied over. `false`: a bounded arena can make no room.
+    fn grow(&self, state: &mut State, needed: usize) -> Result<bool> {
         // A free range at the end is extended, not left beside the new one.
         let tail = match state.free.last() {
             Some(&(start, len)) if start + len == state.capacity => len,
             _ => 0,
         };
-        let capacity = (state.capacity * 2).max(state.capacity + needed - tail);
+        let capacity = match self.budget {
+            Some(budget) if state.capacity == 0 && needed <= budget => budget,
+            Some(_) => return Ok(false),
+            None => (state.capacity * 2).max(state.capacity + needed - tail),
+        };
         let p = &self.placement;
         let grown = Tensor::zeros(
             (2, self.kv_heads, capacity, self.head_dim),
@@ -144,7 +161,7 @@ impl KvArena {
         state.storage = Some(grown);
         state.capacity = capacity;
         state.add_free(old, capacity - old);
-        Ok(())
+        Ok(true)
     }
 }
 
@@ -242,14 +259,15 @@ mod tests {
     /// and the arena's memory goes with the last of them.
     #[test]
     fn extents_keep_their_positions_as_the_arena_grows_and_frees() {
-        let arena = KvArena::new(Placement::new(Device::Cpu, DType::F32), 2, 4);
-        let a = arena.allocate(4, None, 0).unwrap();
-        let b = arena.allocate(4, None, 0).unwrap();
+        let arena = KvArena::new(Placement::new(Device::Cpu, DType::F32), 2, 4, None);
+        let take = |n: usize| arena.allocate(n, None, 0).unwrap().unwrap();
+        let a = take(4);
+        let b = take(4);
         assert_eq!((a.start(), b.start()), (0, 4));
         a.write_halves(&filled(1.0, 3), &filled(1.0, 3), 0).unwrap();
         b.write_halves(&filled(2.0, 4), &filled(2.0, 4), 0).unwrap();
         // `a` grows past the arena's end: the arena doubles, `a` moves, `b` stays.
-        let grown = arena.allocate(8, Some(&a), 3).unwrap();
+        let grown = arena.allocate(8, Some(&a), 3).unwrap().unwrap();
         drop(a);
         let a = grown;
         assert_eq!(a.start(), 8);
@@ -257,16 +275,35 @@ mod tests {
         assert_eq!(values(&a.view(3).unwrap()), vec![1.0; 2 * 2 * 3 * 4]);
         assert_eq!(values(&b.view(4).unwrap()), vec![2.0; 2 * 2 * 4 * 4]);
         // `a`'s old range is free again and taken first.
-        let c = arena.allocate(4, None, 0).unwrap();
+        let c = take(4);
         assert_eq!(c.start(), 0);
         drop(b);
         // Released ranges merge: `c`'s and `b`'s old ones make room for 8 before `a`.
         drop(c);
-        let d = arena.allocate(8, None, 0).unwrap();
+        let d = take(8);
         assert_eq!(d.start(), 0);
         drop(d);
         drop(a);
         assert_eq!(arena.capacity(), 0);
         assert!(arena.lock().storage.is_none());
+    }
+
+    /// A bounded arena takes its whole budget with its first extent and never grows: what does not fit is refused
+    /// (`None`), what is released is taken again, and the memory goes with the last extent.
+    #[test]
+    fn a_bounded_arena_holds_its_budget_and_no_more() {
+        let arena = KvArena::new(Placement::new(Device::Cpu, DType::F16), 2, 4, Some(16));
+        assert!(arena.allocate(32, None, 0).unwrap().is_none());
+        assert_eq!(arena.capacity(), 0);
+        let a = arena.allocate(8, None, 0).unwrap().unwrap();
+        assert_eq!(arena.capacity(), 16);
+        let b = arena.allocate(8, None, 0).unwrap().unwrap();
+        assert!(arena.allocate(1, None, 0).unwrap().is_none());
+        assert!(arena.allocate(16, Some(&a), 0).unwrap().is_none());
+        drop(a);
+        let c = arena.allocate(8, None, 0).unwrap().unwrap();
+        assert_eq!((c.start(), arena.capacity()), (0, 16));
+        drop((b, c));
+        assert_eq!(arena.capacity(), 0);
     }
 }

@@ -335,9 +335,12 @@ impl KvCache {
             .filter(|a| b == 1 && a.dims() == (heads, dim))
         {
             // What is held moves into the new extent; the old one is released as it is replaced.
-            let grown = arena.allocate(grown, self.extent(), self.len)?;
-            self.buffers = Some(Buffers::Arena(grown));
-            return Ok(());
+            if let Some(grown) = arena.allocate(grown, self.extent(), self.len)? {
+                self.buffers = Some(Buffers::Arena(grown));
+                return Ok(());
+            }
+            // No room in a bounded arena: tensors of its own from now on, what the extent held copied into them.
+            self.arena = None;
         }
         let p = &self.placement;
         let kv = Tensor::zeros((2, b, heads, grown, dim), p.dtype, &p.device)?;
@@ -379,7 +382,7 @@ mod tests {
     fn arena_caches_hold_what_caches_of_tensors_hold() {
         for dtype in [DType::F32, DType::F16] {
             let placement = Placement::new(Device::Cpu, dtype);
-            let arena = KvArena::new(placement.clone(), 2, 8);
+            let arena = KvArena::new(placement.clone(), 2, 8, None);
             let mut own = KvCache::with_tensor_buffers(placement.clone(), 200);
             let mut shared = [
                 KvCache::in_arena(arena.clone(), 200),
@@ -417,5 +420,38 @@ mod tests {
             drop(second);
             assert_eq!(arena.capacity(), 0);
         }
+    }
+
+    /// A cache that outgrows a bounded arena takes tensors of its own and keeps what it held; the others stay in
+    /// the arena.
+    #[test]
+    fn a_cache_outgrowing_a_bounded_arena_keeps_its_keys_in_tensors_of_its_own() {
+        let placement = Placement::new(Device::Cpu, DType::F16);
+        let arena = KvArena::new(placement.clone(), 2, 8, Some(128));
+        let (mut a, mut b) = (
+            KvCache::in_arena(arena.clone(), 200),
+            KvCache::in_arena(arena.clone(), 200),
+        );
+        let mut own = KvCache::with_tensor_buffers(placement, 200);
+        let rows = |tokens: usize, seed: u64| {
+            let kv = crate::compute::linear::test_matrix(2 * 2 * tokens, 8, seed)
+                .reshape((2, 1, 2, tokens, 8))
+                .unwrap();
+            (kv.get(0).unwrap(), kv.get(1).unwrap())
+        };
+        let (k, v) = rows(40, 1);
+        for cache in [&mut a, &mut b, &mut own] {
+            cache.append(&k, &v).unwrap();
+        }
+        assert!(a.extent().is_some() && b.extent().is_some());
+        // Past 64 positions `a` needs 128, which the arena (64 of its 128 held by `b`) cannot give.
+        let (k, v) = rows(30, 2);
+        a.append(&k, &v).unwrap();
+        own.append(&k, &v).unwrap();
+        assert!(a.extent().is_none() && a.arena().is_none() && b.extent().is_some());
+        let ((ak, av), (ok, ov)) = (a.keys_values().unwrap(), own.keys_values().unwrap());
+        assert_eq!(values(&ak), values(&ok));
+        assert_eq!(values(&av), values(&ov));
+        assert_eq!(a.len(), 70);
     }
 }

@@ -201,8 +201,13 @@ impl Block {
 
     /// A fresh, empty KV cache on this block's device, in `kv_dtype` (default: the block's compute dtype), for at
     /// most `max_length` positions. On a GPU it takes its buffers from the block's arena of that dtype, which all
-    /// its sessions share.
-    pub fn new_cache(&self, max_length: usize, kv_dtype: Option<DType>) -> KvCache {
+    /// its sessions share; `kv_budget` bounds the arena (positions) when this call makes it.
+    pub fn new_cache(
+        &self,
+        max_length: usize,
+        kv_dtype: Option<DType>,
+        kv_budget: Option<usize>,
+    ) -> KvCache {
         let placement = Placement::new(
             self.placement.device.clone(),
             kv_dtype.unwrap_or(self.placement.dtype),
@@ -220,7 +225,8 @@ impl Block {
         {
             Some(arena) => arena.clone(),
             None => {
-                let arena = KvArena::new(placement, self.attn.num_kv_heads, self.attn.head_dim);
+                let (heads, dim) = (self.attn.num_kv_heads, self.attn.head_dim);
+                let arena = KvArena::new(placement, heads, dim, kv_budget);
                 arenas.push(arena.clone());
                 arena
             }
