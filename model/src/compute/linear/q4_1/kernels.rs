@@ -271,9 +271,23 @@ mod avx512_vnni {
     use crate::compute::linear::prefetch_ahead;
     use std::arch::x86_64::*;
 
+    /// Activation rows of the widest tile.
+    const WIDE: usize = 16;
+
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn group_dots(w: Q4_1Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
-        // Thirty-two vector registers: eight unpacked weight parts, two scale vectors, eight accumulators.
+        // Sixteen rows a tile unpack each block's weights once for all of them: 1.02-1.11x faster than tiles of
+        // eight (median 1.05x; SmolLM2's 120 block matmuls at 16 rows on two threads, Zen 4), though their
+        // accumulators no longer all fit the thirty-two registers. The rest in tiles of eight, which do fit
+        // (eight unpacked weight parts, two scale vectors, eight accumulators).
+        let wide = ys.len() / WIDE * WIDE;
+        for (ys, out) in ys[..wide]
+            .chunks_exact(WIDE)
+            .zip(out.chunks_exact_mut(WIDE))
+        {
+            tile::<WIDE>(w, ys, out);
+        }
+        let (ys, out) = (&ys[wide..], &mut out[wide..]);
         by_tiles!(tile, 8, w, ys, out)
     }
 
@@ -285,6 +299,10 @@ mod avx512_vnni {
         out: &mut [[f32; GROUP_ROWS]],
     ) {
         let mask = _mm512_set1_epi8(0x0F);
+        // Each row's bytes and scales through plain pointers (`Kernel::group_dots` checked their lengths).
+        let qs: [*const i32; N] = std::array::from_fn(|r| ys[r].qs.as_ptr() as *const i32);
+        let ds: [*const f32; N] = std::array::from_fn(|r| ys[r].d.as_ptr());
+        let ss: [*const f32; N] = std::array::from_fn(|r| ys[r].s.as_ptr());
         let mut acc = [_mm512_setzero_ps(); N];
         for b in 0..w.blocks() {
             let base = w.qs.as_ptr().add(b * BLOCK_QS);
@@ -303,20 +321,38 @@ mod avx512_vnni {
             let wd = _mm512_cvtph_ps(_mm256_loadu_si256(w.d.as_ptr().add(at) as *const __m256i));
             let wm = _mm512_cvtph_ps(_mm256_loadu_si256(w.m.as_ptr().add(at) as *const __m256i));
             each_row!(N, |r| {
-                let y = ys[r].qs.as_ptr().add(b) as *const i32;
-                // Two chains of four, so one row's sums do not wait on one another.
-                let mut lo = _mm512_setzero_si512();
-                let mut hi = _mm512_setzero_si512();
-                for p in 0..4 {
-                    lo =
-                        _mm512_dpbusd_epi32(lo, q[p], _mm512_set1_epi32(y.add(p).read_unaligned()));
-                    hi = _mm512_dpbusd_epi32(
-                        hi,
-                        q[p + 4],
-                        _mm512_set1_epi32(y.add(p + 4).read_unaligned()),
-                    );
-                }
-                acc[r] = add_block_terms(acc[r], _mm512_add_epi32(lo, hi), (wd, wm), ys[r], b);
+                let y = qs[r].add(b * 8);
+                let sumi = if N > 8 {
+                    // One chain a row: sixteen rows' chains are independent enough, and two a row would want
+                    // thirty-two more registers. (Two chains spilled more and measured no faster.)
+                    let mut sum = _mm512_setzero_si512();
+                    for (p, q) in q.iter().enumerate() {
+                        sum = _mm512_dpbusd_epi32(
+                            sum,
+                            *q,
+                            _mm512_set1_epi32(y.add(p).read_unaligned()),
+                        );
+                    }
+                    sum
+                } else {
+                    // Two chains of four, so one row's sums do not wait on one another.
+                    let mut lo = _mm512_setzero_si512();
+                    let mut hi = _mm512_setzero_si512();
+                    for p in 0..4 {
+                        lo = _mm512_dpbusd_epi32(
+                            lo,
+                            q[p],
+                            _mm512_set1_epi32(y.add(p).read_unaligned()),
+                        );
+                        hi = _mm512_dpbusd_epi32(
+                            hi,
+                            q[p + 4],
+                            _mm512_set1_epi32(y.add(p + 4).read_unaligned()),
+                        );
+                    }
+                    _mm512_add_epi32(lo, hi)
+                };
+                acc[r] = block_terms(acc[r], sumi, (wd, wm), (*ds[r].add(b), *ss[r].add(b)));
             });
         }
         for r in 0..N {
@@ -335,9 +371,21 @@ mod avx512_vnni {
         y: Q8Row<'_>,
         b: usize,
     ) -> __m512 {
+        block_terms(acc, sumi, (wd, wm), (y.d[b], y.s[b]))
+    }
+
+    /// [`add_block_terms`] with the activation block's scale and sum `(d_y, s_y)` given.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn block_terms(
+        acc: __m512,
+        sumi: __m512i,
+        (wd, wm): (__m512, __m512),
+        (yd, ysum): (f32, f32),
+    ) -> __m512 {
         let sumi = _mm512_cvtepi32_ps(sumi);
-        let yd = _mm512_set1_ps(y.d[b]);
-        let ysum = _mm512_set1_ps(y.s[b]);
+        let yd = _mm512_set1_ps(yd);
+        let ysum = _mm512_set1_ps(ysum);
         let term = _mm512_add_ps(
             _mm512_mul_ps(_mm512_mul_ps(sumi, wd), yd),
             _mm512_mul_ps(wm, ysum),

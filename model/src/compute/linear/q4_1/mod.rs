@@ -216,13 +216,13 @@ mod tests {
 
     #[test]
     fn every_kernel_equals_candle_bit_for_bit() {
-        // 37 weight rows: two full groups and a partial one; activation rows around the 4-row, 8-row and 64-row
-        // tiles, with every remainder of an 8-row tile from 1 to 7 among them; rows of one and two blocks too
-        // (shorter than the tile kernel's pipeline).
+        // 37 weight rows: two full groups and a partial one; activation rows around the 4-row, 8-row, 16-row and
+        // 64-row tiles, with every remainder of an 8-row tile from 1 to 7 among them, and 16-row tiles followed by
+        // tiles of eight and fewer; rows of one and two blocks too (shorter than the tile kernel's pipeline).
         for cols in [416, 32, 64] {
             let (q, m) = q4_1(37, cols);
             let candle = QMatMul::from_qtensor(q).unwrap();
-            for rows in [1, 2, 3, 4, 5, 6, 8, 11, 15, 16, 67] {
+            for rows in [1, 2, 3, 4, 5, 6, 8, 11, 15, 16, 25, 40, 67] {
                 let x = random(rows, cols, rows as u64);
                 let (want, xs) = candle_product(&candle, &x);
                 for kernel in Kernel::available() {
