@@ -276,10 +276,10 @@ mod avx512_vnni {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn group_dots(w: Q4_1Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
-        // Sixteen rows a tile unpack each block's weights once for all of them: 1.02-1.11x faster than tiles of
-        // eight (median 1.05x; SmolLM2's 120 block matmuls at 16 rows on two threads, Zen 4), though their
-        // accumulators no longer all fit the thirty-two registers. The rest in tiles of eight, which do fit
-        // (eight unpacked weight parts, two scale vectors, eight accumulators).
+        // Sixteen rows a tile unpack each block's weights once for all of them: 1.02-1.07x faster than tiles of
+        // eight (SmolLM2's 120 block matmuls at 16 rows on two threads, Zen 4; 64 rows the same), though their
+        // sums and accumulators no longer fit the thirty-two registers and some go to the stack. The rest in
+        // tiles of eight, which do fit (eight unpacked weight parts, two scale vectors, eight accumulators).
         let wide = ys.len() / WIDE * WIDE;
         for (ys, out) in ys[..wide]
             .chunks_exact(WIDE)
@@ -299,7 +299,8 @@ mod avx512_vnni {
         out: &mut [[f32; GROUP_ROWS]],
     ) {
         let mask = _mm512_set1_epi8(0x0F);
-        // Each row's bytes and scales through plain pointers (`Kernel::group_dots` checked their lengths).
+        // Each row's bytes and scales through plain pointers (`Kernel::group_dots` checked their lengths): with
+        // sixteen rows, indexing their slices inside the loop made the wider tile slower than two of eight.
         let qs: [*const i32; N] = std::array::from_fn(|r| ys[r].qs.as_ptr() as *const i32);
         let ds: [*const f32; N] = std::array::from_fn(|r| ys[r].d.as_ptr());
         let ss: [*const f32; N] = std::array::from_fn(|r| ys[r].s.as_ptr());
@@ -322,36 +323,19 @@ mod avx512_vnni {
             let wm = _mm512_cvtph_ps(_mm256_loadu_si256(w.m.as_ptr().add(at) as *const __m256i));
             each_row!(N, |r| {
                 let y = qs[r].add(b * 8);
-                let sumi = if N > 8 {
-                    // One chain a row: sixteen rows' chains are independent enough, and two a row would want
-                    // thirty-two more registers. (Two chains spilled more and measured no faster.)
-                    let mut sum = _mm512_setzero_si512();
-                    for (p, q) in q.iter().enumerate() {
-                        sum = _mm512_dpbusd_epi32(
-                            sum,
-                            *q,
-                            _mm512_set1_epi32(y.add(p).read_unaligned()),
-                        );
-                    }
-                    sum
-                } else {
-                    // Two chains of four, so one row's sums do not wait on one another.
-                    let mut lo = _mm512_setzero_si512();
-                    let mut hi = _mm512_setzero_si512();
-                    for p in 0..4 {
-                        lo = _mm512_dpbusd_epi32(
-                            lo,
-                            q[p],
-                            _mm512_set1_epi32(y.add(p).read_unaligned()),
-                        );
-                        hi = _mm512_dpbusd_epi32(
-                            hi,
-                            q[p + 4],
-                            _mm512_set1_epi32(y.add(p + 4).read_unaligned()),
-                        );
-                    }
-                    _mm512_add_epi32(lo, hi)
-                };
+                // Two chains of four, so one row's sums do not wait on one another.
+                let mut lo = _mm512_setzero_si512();
+                let mut hi = _mm512_setzero_si512();
+                for p in 0..4 {
+                    lo =
+                        _mm512_dpbusd_epi32(lo, q[p], _mm512_set1_epi32(y.add(p).read_unaligned()));
+                    hi = _mm512_dpbusd_epi32(
+                        hi,
+                        q[p + 4],
+                        _mm512_set1_epi32(y.add(p + 4).read_unaligned()),
+                    );
+                }
+                let sumi = _mm512_add_epi32(lo, hi);
                 acc[r] = block_terms(acc[r], sumi, (wd, wm), (*ds[r].add(b), *ss[r].add(b)));
             });
         }
