@@ -15,6 +15,7 @@
 //! On the CPU this path is not taken: f16 caches there have [`super::host_attention`], and f32 caches keep
 //! candle's per-session ops, whose arithmetic is the reference's bit for bit.
 use super::attention::{Attention, Projected, SessionRows};
+use super::kv_arena::KvArena;
 use crate::compute::placement::normalise;
 use crate::error::{ModelError, Result};
 use candle_core::{DType, Tensor};
@@ -25,9 +26,15 @@ pub(crate) fn applies(p: &Projected, sessions: &[SessionRows<'_>]) -> bool {
     sessions.len() > 1 && !p.q.device().is_cpu()
 }
 
+/// Whether the session's cache takes its buffers from `arena`.
+fn in_arena(s: &SessionRows<'_>, arena: &Arc<KvArena>) -> bool {
+    s.cache.arena().is_some_and(|a| Arc::ptr_eq(a, arena))
+}
+
 /// Every session's attention for a step of one token each: `[1, sessions, heads * head_dim]`, each session's row
 /// where its query was. `None` (nothing written) when the step is not of that kind: a session with a prompt or
-/// several sequences, rows out of order or not the sessions' alone, caches not all in one arena.
+/// several sequences, rows out of order or not the sessions' alone, caches not all in one arena (or one that left
+/// a full arena making room for this step).
 pub(crate) fn attend(
     attn: &Attention,
     p: &Projected,
@@ -39,12 +46,10 @@ pub(crate) fn attend(
     };
     let (kv_heads, d) = (attn.num_kv_heads, attn.head_dim);
     let one_token_each = p.q.dims3()?.1 == n
-        && sessions.iter().enumerate().all(|(i, s)| {
-            s.start == i
-                && s.batch == 1
-                && s.tokens == 1
-                && s.cache.arena().is_some_and(|a| Arc::ptr_eq(a, &arena))
-        });
+        && sessions
+            .iter()
+            .enumerate()
+            .all(|(i, s)| s.start == i && s.batch == 1 && s.tokens == 1 && in_arena(s, &arena));
     if !one_token_each || arena.dims() != (kv_heads, d) {
         return Ok(None);
     }
@@ -74,6 +79,11 @@ pub(crate) fn attend(
     // which session each of those keys is of.
     for s in sessions.iter_mut() {
         s.cache.host_step((1, kv_heads, d), 1)?;
+    }
+    // A cache that found no room in a bounded arena now holds tensors of its own: the step goes session by session
+    // (room was only reserved; nothing is written yet).
+    if !sessions.iter().all(|s| in_arena(s, &arena)) {
+        return Ok(None);
     }
     let mut indices = Vec::with_capacity(n);
     let (mut seen, mut owners) = (Vec::new(), Vec::new());
@@ -341,5 +351,15 @@ mod tests {
             assert!(rows(&mut other, &[1, 1]).is_none());
             assert_eq!(lens(&other), [0, 0]);
         }
+        // A bounded arena with room for one of two caches: the other, making room for this step, takes tensors of
+        // its own, and the step is left to the per-session path with nothing written.
+        let full = KvArena::new(Placement::cpu_f32(), 3, 64, Some(8));
+        let mut crowded = [
+            KvCache::in_arena(full.clone(), 8),
+            KvCache::in_arena(full.clone(), 8),
+        ];
+        assert!(rows(&mut crowded, &[1, 1]).is_none());
+        assert_eq!(lens(&crowded), [0, 0]);
+        assert!(crowded[0].extent().is_some() && crowded[1].arena().is_none());
     }
 }
