@@ -24,6 +24,8 @@ pub fn run<F>(common: &CommonArgs, default_level: &str, command: F) -> ExitCode
 where
     F: Future<Output = anyhow::Result<()>>,
 {
+    // Before logging and the runtime start their threads: it sets an environment variable.
+    petal_model::compute::pool::pin_thread_count();
     let trace = logging::init(&common.log_format, default_level, common.trace.as_deref());
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

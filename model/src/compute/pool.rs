@@ -21,6 +21,26 @@ use std::time::{Duration, Instant};
 /// that a thread holding up the forward's own work by waiting there (see `keep_awake`) costs it little.
 const IDLE_SPIN: Duration = Duration::from_micros(200);
 
+/// Sets `RAYON_NUM_THREADS`, when it is unset, to the number rayon picks by itself (one thread per CPU this
+/// process may use), so that every pool is as big as before and candle stops counting CPUs on each matmul.
+///
+/// Why: candle asks for its thread count on every CPU matmul and, without the variable, counts physical cores
+/// by reading and parsing `/proc/cpuinfo` each time: a decode step's attention matmul took 15 us instead of 0.4 on
+/// a 2-vCPU VM. A decode step through a KV cache that takes candle's attention (f32, Petal's default) makes two
+/// such matmuls per block: 60 reads a token for SmolLM2, local decoding 30% slower. Binaries call this first
+/// thing in `main`; a library embedding Petal sets the variable itself.
+///
+/// Call it before any other thread of the process exists: changing the environment while another thread reads it
+/// is undefined behaviour in libc.
+pub fn pin_thread_count() {
+    if std::env::var_os("RAYON_NUM_THREADS").is_some() {
+        return;
+    }
+    if let Ok(n) = std::thread::available_parallelism() {
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+}
+
 /// Runs `f` on a thread of the compute pool when `device` is the CPU (inline when already on one, and on other
 /// devices, whose kernels do not use the pool).
 pub fn on_compute_pool<R: Send>(device: &Device, f: impl FnOnce() -> R + Send) -> R {
