@@ -344,24 +344,12 @@ mod avx512_vnni {
         }
     }
 
-    /// `acc + ((sumi * d_w) * d_y + m_w * s_y)` for block `b` of activation row `y` and sixteen weight rows (their
-    /// integer sums `sumi`, scales `d_w`, minimums `m_w`): the reference's float terms, in its order.
+    /// `acc + ((sumi * d_w) * d_y + m_w * s_y)` for one activation block (its scale and sum `(d_y, s_y)`) and
+    /// sixteen weight rows (their integer sums `sumi`, scales `d_w`, minimums `m_w`): the reference's float terms,
+    /// in its order.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn add_block_terms(
-        acc: __m512,
-        sumi: __m512i,
-        (wd, wm): (__m512, __m512),
-        y: Q8Row<'_>,
-        b: usize,
-    ) -> __m512 {
-        block_terms(acc, sumi, (wd, wm), (y.d[b], y.s[b]))
-    }
-
-    /// [`add_block_terms`] with the activation block's scale and sum `(d_y, s_y)` given.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-    unsafe fn block_terms(
+    pub(super) unsafe fn block_terms(
         acc: __m512,
         sumi: __m512i,
         (wd, wm): (__m512, __m512),
@@ -460,7 +448,8 @@ mod amx {
             let wm = _mm512_cvtph_ps(_mm256_loadu_si256(w.m.as_ptr().add(at) as *const __m256i));
             each_row!(TILE_ROWS, |r| {
                 let sumi = _mm512_load_si512(sums.add(r * GROUP_ROWS) as *const __m512i);
-                acc[r] = super::avx512_vnni::add_block_terms(acc[r], sumi, (wd, wm), ys[r], b);
+                let y = (ys[r].d[b], ys[r].s[b]);
+                acc[r] = super::avx512_vnni::block_terms(acc[r], sumi, (wd, wm), y);
             });
         }
         for (o, acc) in out.iter_mut().zip(acc) {
