@@ -14,6 +14,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Shape};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
+use std::cell::RefCell;
 use std::ops::Range;
 use vector::{axpy, dots, exp_shifted, max, sum, weighted_sum};
 
@@ -48,6 +49,7 @@ pub(crate) struct FlashAttention {
 
 /// A partial result for every query row of a tile: running maximum, sum of exponentials, and the values weighted
 /// by those exponentials.
+#[derive(Default)]
 struct Partial {
     max: Vec<f32>,
     sum: Vec<f32>,
@@ -55,6 +57,16 @@ struct Partial {
 }
 
 impl Partial {
+    /// `rows` rows of head size `d` that have seen no key yet, in this partial's buffers.
+    fn reset(&mut self, rows: usize, d: usize) {
+        self.max.clear();
+        self.max.resize(rows, f32::NEG_INFINITY);
+        self.sum.clear();
+        self.sum.resize(rows, 0.0);
+        self.acc.clear();
+        self.acc.resize(rows * d, 0.0);
+    }
+
     fn empty(rows: usize, d: usize) -> Self {
         Self {
             max: vec![f32::NEG_INFINITY; rows],
@@ -79,6 +91,22 @@ impl Partial {
             self.max[r] = max;
         }
     }
+}
+
+/// The buffers a chunk works in besides its result: each query row's visible keys, the chunk's keys or values
+/// widened, the rows' scores. Every element is written before it is read, so they are reused as they are.
+#[derive(Default)]
+struct Work {
+    spans: Vec<Range<usize>>,
+    buf: Vec<f32>,
+    scores: Vec<f32>,
+}
+
+thread_local! {
+    /// A thread's buffers for steps of one token whose keys are one chunk ([`FlashAttention::compute`]): a decode
+    /// step is such a step for every session, block and KV head, and allocating these afresh each time was a
+    /// dozen allocations per session and block.
+    static DECODE_BUFFERS: RefCell<(Work, Partial)> = RefCell::new(Default::default());
 }
 
 /// The cache's elements: f32, or f16 widened as they are read (a chunk of positions at a time into a buffer, or
@@ -187,8 +215,9 @@ impl FlashAttention {
     }
 
     /// Scores, softmax and weighted values of the keys `keys` (at most [`KEYS_PER_CHUNK`]) for the query rows of
-    /// one tile: row `g * tile.len() + i` is query head `g` of the group at token `tile.start + i`, read from
-    /// `q` (the KV head's `[group, tokens, d]` queries).
+    /// one tile, into `partial`: row `g * tile.len() + i` is query head `g` of the group at token `tile.start + i`,
+    /// read from `q` (the KV head's `[group, tokens, d]` queries).
+    #[allow(clippy::too_many_arguments)]
     fn chunk(
         &self,
         q: &[f32],
@@ -196,33 +225,35 @@ impl FlashAttention {
         (b, h, tokens, d): (usize, usize, usize, usize),
         tile: &Range<usize>,
         keys: Range<usize>,
-    ) -> Partial {
+        partial: &mut Partial,
+        work: &mut Work,
+    ) {
         let n_tile = tile.len();
         let rows = self.group * n_tile;
         let n = keys.len();
-        let mut partial = Partial::empty(rows, d);
+        partial.reset(rows, d);
+        let Work { spans, buf, scores } = work;
         // Each query row's visible keys, relative to the chunk (empty when it sees none of them).
-        let spans: Vec<Range<usize>> = (0..rows)
-            .map(|r| {
-                let seen = self.visible(tile.start + r % n_tile);
-                let first = seen.start.clamp(keys.start, keys.end) - keys.start;
-                let last = seen.end.clamp(keys.start, keys.end) - keys.start;
-                first..last.max(first)
-            })
-            .collect();
+        spans.clear();
+        spans.extend((0..rows).map(|r| {
+            let seen = self.visible(tile.start + r % n_tile);
+            let first = seen.start.clamp(keys.start, keys.end) - keys.start;
+            let last = seen.end.clamp(keys.start, keys.end) - keys.start;
+            first..last.max(first)
+        }));
         let query = |r: usize| {
             let row = tile_row(r, tile, tokens);
             &q[row * d..(row + 1) * d]
         };
         // The chunk's keys, then its values, widened once (or borrowed from an f32 cache, or read in place by a
         // few rows): every query row of the tile reads them from cache, not from memory.
-        let mut buf = if k.widens(rows) || v.widens(rows) {
-            vec![0f32; n * d]
-        } else {
-            Vec::new()
-        };
-        let mut scores = vec![0f32; rows * n];
-        let kc = k.for_rows((b, h, keys.start, n, d), rows, &mut buf);
+        if (k.widens(rows) || v.widens(rows)) && buf.len() < n * d {
+            buf.resize(n * d, 0.0);
+        }
+        if scores.len() < rows * n {
+            scores.resize(rows * n, 0.0);
+        }
+        let kc = k.for_rows((b, h, keys.start, n, d), rows, buf);
         for (r, span) in spans.iter().enumerate() {
             if span.is_empty() {
                 continue;
@@ -240,13 +271,12 @@ impl FlashAttention {
             partial.max[r] = peak;
             partial.sum[r] = sum(seen);
         }
-        let vc = v.for_rows((b, h, keys.start, n, d), rows, &mut buf);
+        let vc = v.for_rows((b, h, keys.start, n, d), rows, buf);
         for (r, span) in spans.iter().enumerate() {
             let acc = &mut partial.acc[r * d..(r + 1) * d];
             let weights = &scores[r * n + span.start..r * n + span.end];
             weighted_sum(weights, vc.range(span.start * d..span.end * d), acc);
         }
-        partial
     }
 
     /// A task's keys, chunk after chunk, merged as they come (flash attention's online softmax).
@@ -259,8 +289,13 @@ impl FlashAttention {
     ) -> Partial {
         let (b, h) = (task.bh / kv_heads, task.bh % kv_heads);
         let qh = &q[task.bh * group * tokens * d..(task.bh + 1) * group * tokens * d];
-        let mut chunks = chunks(task.keys.clone(), KEYS_PER_CHUNK)
-            .map(|keys| self.chunk(qh, (k, v), (b, h, tokens, d), &task.tile, keys));
+        let mut work = Work::default();
+        let mut chunks = chunks(task.keys.clone(), KEYS_PER_CHUNK).map(|keys| {
+            let mut partial = Partial::default();
+            let at = (b, h, tokens, d);
+            self.chunk(qh, (k, v), at, &task.tile, keys, &mut partial, &mut work);
+            partial
+        });
         let mut partial = chunks
             .next()
             .unwrap_or_else(|| Partial::empty(group * task.tile.len(), d));
@@ -271,6 +306,21 @@ impl FlashAttention {
     /// The attention itself, on slices: `q` `[batch, kv_heads, group, tokens, head_dim]` contiguous (`dims`),
     /// `len` positions of keys and values, `out` as long as `q`.
     pub(crate) fn compute(
+        &self,
+        q: &[f32],
+        dims: [usize; 5],
+        (k, v): (Cache<'_>, Cache<'_>),
+        len: usize,
+        out: &mut [f32],
+    ) {
+        if !self.compute_one_chunk(q, dims, (k, v), len, out) {
+            self.compute_by_tasks(q, dims, (k, v), len, out);
+        }
+    }
+
+    /// [`Self::compute`] in tasks of a tile and a run of keys each, spread over the threads when the step is big
+    /// enough, and each tile's partials merged.
+    fn compute_by_tasks(
         &self,
         q: &[f32],
         dims: [usize; 5],
@@ -323,19 +373,69 @@ impl FlashAttention {
                     merged
                 }),
             };
-            for r in 0..group * tile.len() {
-                let row = bh * group * tokens + tile_row(r, tile, tokens);
-                let o = &mut out[row * d..(row + 1) * d];
-                // No visible key at all cannot happen for a causal step (its own key is always seen): zeros.
-                let inv = if merged.sum[r] > 0.0 {
-                    1.0 / merged.sum[r]
-                } else {
-                    0.0
-                };
-                for (o, a) in o.iter_mut().zip(&merged.acc[r * d..(r + 1) * d]) {
-                    *o = a * inv;
-                }
+            write_rows(merged, bh, tile, dims, out);
+        }
+    }
+
+    /// [`Self::compute`] for a step of one token whose visible keys are one chunk, computed where it does not
+    /// spread over the threads (every decode step up to a long context): each KV head's one task, in this thread's
+    /// [`DECODE_BUFFERS`]. The same operations in the same order as the general path, which allocates its
+    /// buffers per task and chunk. `false` (nothing written) when the step is not of that kind.
+    fn compute_one_chunk(
+        &self,
+        q: &[f32],
+        dims: [usize; 5],
+        (k, v): (Cache<'_>, Cache<'_>),
+        len: usize,
+        out: &mut [f32],
+    ) -> bool {
+        let [batch, kv_heads, group, tokens, d] = dims;
+        let tile = 0..1;
+        let seen = self.visible_to(&tile);
+        let seen = seen.start..seen.end.min(len);
+        if tokens != 1
+            || batch * kv_heads * len >= PARALLEL_KEYS
+            || seen.is_empty()
+            || seen.len() > KEYS_PER_CHUNK
+        {
+            return false;
+        }
+        DECODE_BUFFERS.with(|buffers| {
+            let Ok(mut buffers) = buffers.try_borrow_mut() else {
+                return false;
+            };
+            let (work, partial) = &mut *buffers;
+            for bh in 0..batch * kv_heads {
+                let (b, h) = (bh / kv_heads, bh % kv_heads);
+                let qh = &q[bh * group * d..(bh + 1) * group * d];
+                self.chunk(qh, (k, v), (b, h, 1, d), &tile, seen.clone(), partial, work);
+                write_rows(partial, bh, &tile, dims, out);
             }
+            true
+        })
+    }
+}
+
+/// The rows of tile `tile` of KV head `bh` (batch x KV heads, flattened) normalised by their sums into `out`
+/// (`[batch, kv_heads, group, tokens, head_dim]`, as `dims`).
+fn write_rows(
+    merged: &Partial,
+    bh: usize,
+    tile: &Range<usize>,
+    [_, _, group, tokens, d]: [usize; 5],
+    out: &mut [f32],
+) {
+    for r in 0..group * tile.len() {
+        let row = bh * group * tokens + tile_row(r, tile, tokens);
+        let o = &mut out[row * d..(row + 1) * d];
+        // No visible key at all cannot happen for a causal step (its own key is always seen): zeros.
+        let inv = if merged.sum[r] > 0.0 {
+            1.0 / merged.sum[r]
+        } else {
+            0.0
+        };
+        for (o, a) in o.iter_mut().zip(&merged.acc[r * d..(r + 1) * d]) {
+            *o = a * inv;
         }
     }
 }
@@ -478,11 +578,28 @@ mod tests {
         };
         // Keys 0..7 of a chunk: the last query rows see none of them through the window.
         let (k, v) = (cache(&keys, n * d), cache(&values, n * d));
-        for keys in [0..n, 0..7] {
-            let part = op.chunk(&q, (k, v), (0, 0, rows, d), &(0..rows), keys);
+        // Buffers reused from one chunk to the next, as a thread's decode buffers are: they must give what fresh
+        // ones give.
+        let (mut reused, mut dirty) = (Partial::default(), Work::default());
+        for keys in [0..n, 0..7, 0..n] {
+            let mut part = Partial::default();
+            let at = (0, 0, rows, d);
+            op.chunk(
+                &q,
+                (k, v),
+                at,
+                &(0..rows),
+                keys.clone(),
+                &mut part,
+                &mut Work::default(),
+            );
+            op.chunk(&q, (k, v), at, &(0..rows), keys, &mut reused, &mut dirty);
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&reused.acc), bits(&part.acc));
+            assert_eq!(bits(&reused.sum), bits(&part.sum));
+            assert_eq!(bits(&reused.max), bits(&part.max));
             let mut merged = Partial::empty(rows, d);
             merged.merge(&part);
-            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             for r in 0..rows {
                 if part.sum[r] == 0.0 {
                     // Normalised to zeros either way.
@@ -598,6 +715,92 @@ mod tests {
             };
             check(op, (2, 3, tokens, len));
         }
+    }
+
+    #[test]
+    fn one_token_steps_of_one_chunk_equal_the_tasks_path_bit_for_bit() {
+        // What the decode path computes in its reused buffers, against the general path's fresh ones: group sizes
+        // read in place and widened, one key and a whole chunk, a window within the context, a softcap, two
+        // sequences; f32 and f16 caches; the buffers dirtied by each step before the next.
+        let d = 64;
+        for (group, len, window, softcap, batch) in [
+            (3, 1, None, None, 1),
+            (3, 37, None, None, 2),
+            (1, 256, None, Some(30.0), 1),
+            (8, 100, Some(20), None, 1),
+            (5, 256, Some(300), Some(50.0), 2),
+            (3, 200, None, None, 1),
+        ] {
+            let op = FlashAttention {
+                scale: 0.125,
+                softcap,
+                window,
+                position: len - 1,
+                group,
+            };
+            let kv_heads = 3;
+            let q = random(&[batch, kv_heads, group, 1, d], len as u64)
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let keys = random(&[batch, kv_heads, len, d], 1 + len as u64);
+            let values = random(&[batch, kv_heads, len, d], 2 + len as u64);
+            let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let (kf, vf) = (flat(&keys), flat(&values));
+            let halves = |x: &[f32]| {
+                x.iter()
+                    .map(|v| half::f16::from_f32(*v))
+                    .collect::<Vec<_>>()
+            };
+            let (kh, vh) = (halves(&kf), halves(&vf));
+            let dims = [batch, kv_heads, group, 1, d];
+            fn f32_cache(x: &[f32], (kv_heads, len, d): (usize, usize, usize)) -> Cache<'_> {
+                Cache {
+                    data: Elems::F32(x),
+                    offset: 0,
+                    batch_stride: kv_heads * len * d,
+                    head_stride: len * d,
+                }
+            }
+            let at = (kv_heads, len, d);
+            let caches = [
+                (f32_cache(&kf, at), f32_cache(&vf, at)),
+                (
+                    Cache::host(&kh, (kv_heads, len, d)),
+                    Cache::host(&vh, (kv_heads, len, d)),
+                ),
+            ];
+            for (k, v) in caches {
+                let mut general = vec![f32::NAN; q.len()];
+                op.compute_by_tasks(&q, dims, (k, v), len, &mut general);
+                let mut one_chunk = vec![f32::NAN; q.len()];
+                assert!(op.compute_one_chunk(&q, dims, (k, v), len, &mut one_chunk));
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&one_chunk),
+                    bits(&general),
+                    "group {group}, {len} keys, window {window:?}"
+                );
+            }
+        }
+        // Steps of several tokens, or of more keys than a chunk, are left to the tasks path.
+        let op = FlashAttention {
+            scale: 0.125,
+            softcap: None,
+            window: None,
+            position: 299,
+            group: 3,
+        };
+        let (q, keys) = (vec![0f32; 3 * 64], vec![0f32; 300 * 64]);
+        let cache = Cache {
+            data: Elems::F32(&keys),
+            offset: 0,
+            batch_stride: 300 * 64,
+            head_stride: 300 * 64,
+        };
+        let mut out = vec![0f32; q.len()];
+        assert!(!op.compute_one_chunk(&q, [1, 1, 3, 1, 64], (cache, cache), 300, &mut out));
     }
 
     #[test]
