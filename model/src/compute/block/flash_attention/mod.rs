@@ -204,9 +204,9 @@ impl FlashAttention {
         first..query + 1
     }
 
-    /// The positions any query token of `tile` sees.
-    fn visible_to(&self, tile: &Range<usize>) -> Range<usize> {
-        self.visible(tile.start).start..self.visible(tile.end - 1).end
+    /// The positions of a cache holding `len` that any query token of `tile` sees.
+    fn visible_to(&self, tile: &Range<usize>, len: usize) -> Range<usize> {
+        self.visible(tile.start).start..self.visible(tile.end - 1).end.min(len)
     }
 
     /// Query tokens per tile: every query row of the group shares each widened chunk of keys.
@@ -335,8 +335,7 @@ impl FlashAttention {
         let mut tasks = Vec::new();
         for bh in 0..batch * kv_heads {
             for tile in &tiles {
-                let seen = self.visible_to(tile);
-                let seen = seen.start..seen.end.min(len);
+                let seen = self.visible_to(tile, len);
                 if whole_tiles {
                     tasks.push(Task {
                         bh,
@@ -353,12 +352,11 @@ impl FlashAttention {
             }
         }
         let run = |t: &Task| (t.bh, t.tile.clone(), self.task(t, q, (k, v), dims));
-        let partials: Vec<(usize, Range<usize>, Partial)> =
-            if batch * kv_heads * len >= PARALLEL_KEYS {
-                tasks.par_iter().map(run).collect()
-            } else {
-                tasks.iter().map(run).collect()
-            };
+        let partials: Vec<(usize, Range<usize>, Partial)> = if spreads(dims, len) {
+            tasks.par_iter().map(run).collect()
+        } else {
+            tasks.iter().map(run).collect()
+        };
         // Merge each tile's partials (consecutive), then normalise every row by its sum.
         for parts in partials.chunk_by(|a, b| (a.0, &a.1) == (b.0, &b.1)) {
             let (bh, tile) = (parts[0].0, &parts[0].1);
@@ -391,13 +389,8 @@ impl FlashAttention {
     ) -> bool {
         let [batch, kv_heads, group, tokens, d] = dims;
         let tile = 0..1;
-        let seen = self.visible_to(&tile);
-        let seen = seen.start..seen.end.min(len);
-        if tokens != 1
-            || batch * kv_heads * len >= PARALLEL_KEYS
-            || seen.is_empty()
-            || seen.len() > KEYS_PER_CHUNK
-        {
+        let seen = self.visible_to(&tile, len);
+        if tokens != 1 || spreads(dims, len) || seen.is_empty() || seen.len() > KEYS_PER_CHUNK {
             return false;
         }
         DECODE_BUFFERS.with(|buffers| {
@@ -414,6 +407,11 @@ impl FlashAttention {
             true
         })
     }
+}
+
+/// Whether a step of these dims over `len` keys spreads its tasks over the threads.
+fn spreads([batch, kv_heads, ..]: [usize; 5], len: usize) -> bool {
+    batch * kv_heads * len >= PARALLEL_KEYS
 }
 
 /// The rows of tile `tile` of KV head `bh` (batch x KV heads, flattened) normalised by their sums into `out`
@@ -561,14 +559,6 @@ mod tests {
             values_of(&[n, d], 4),
             values_of(&[rows, d], 5),
         );
-        fn cache(data: &[f32], stride: usize) -> Cache<'_> {
-            Cache {
-                data: Elems::F32(data),
-                offset: 0,
-                batch_stride: stride,
-                head_stride: stride,
-            }
-        }
         let op = FlashAttention {
             scale: 0.125,
             softcap: None,
@@ -577,7 +567,10 @@ mod tests {
             group: 1,
         };
         // Keys 0..7 of a chunk: the last query rows see none of them through the window.
-        let (k, v) = (cache(&keys, n * d), cache(&values, n * d));
+        let (k, v) = (
+            f32_cache(&keys, n * d, n * d),
+            f32_cache(&values, n * d, n * d),
+        );
         // Buffers reused from one chunk to the next, as a thread's decode buffers are: they must give what fresh
         // ones give.
         let (mut reused, mut dirty) = (Partial::default(), Work::default());
@@ -613,6 +606,16 @@ mod tests {
                 assert_eq!(merged.sum[r].to_bits(), part.sum[r].to_bits());
             }
             assert_eq!(bits(&merged.acc), bits(&part.acc));
+        }
+    }
+
+    /// An f32 cache of `data` from its start, sequences and heads the given strides apart.
+    fn f32_cache(data: &[f32], batch_stride: usize, head_stride: usize) -> Cache<'_> {
+        Cache {
+            data: Elems::F32(data),
+            offset: 0,
+            batch_stride,
+            head_stride,
         }
     }
 
@@ -755,17 +758,12 @@ mod tests {
             };
             let (kh, vh) = (halves(&kf), halves(&vf));
             let dims = [batch, kv_heads, group, 1, d];
-            fn f32_cache(x: &[f32], (kv_heads, len, d): (usize, usize, usize)) -> Cache<'_> {
-                Cache {
-                    data: Elems::F32(x),
-                    offset: 0,
-                    batch_stride: kv_heads * len * d,
-                    head_stride: len * d,
-                }
-            }
-            let at = (kv_heads, len, d);
+            let strides = (kv_heads * len * d, len * d);
             let caches = [
-                (f32_cache(&kf, at), f32_cache(&vf, at)),
+                (
+                    f32_cache(&kf, strides.0, strides.1),
+                    f32_cache(&vf, strides.0, strides.1),
+                ),
                 (
                     Cache::host(&kh, (kv_heads, len, d)),
                     Cache::host(&vh, (kv_heads, len, d)),
@@ -793,12 +791,7 @@ mod tests {
             group: 3,
         };
         let (q, keys) = (vec![0f32; 3 * 64], vec![0f32; 300 * 64]);
-        let cache = Cache {
-            data: Elems::F32(&keys),
-            offset: 0,
-            batch_stride: 300 * 64,
-            head_stride: 300 * 64,
-        };
+        let cache = f32_cache(&keys, 300 * 64, 300 * 64);
         let mut out = vec![0f32; q.len()];
         assert!(!op.compute_one_chunk(&q, [1, 1, 3, 1, 64], (cache, cache), 300, &mut out));
     }
