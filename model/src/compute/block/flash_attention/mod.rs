@@ -9,16 +9,16 @@
 //! maximum, sum and weighted values) merged chunk by chunk: memory stays `rows x chunk` per task, nothing is
 //! masked, and the cache is never copied. A decode step (one tile) spreads its chunks over the threads
 //! (flash-decoding); a prompt (many tiles) gives each thread whole tiles.
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, Layout, Shape};
-use half::f16;
-use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 use std::cell::RefCell;
 use std::ops::Range;
 use vector::{axpy, dots, exp_shifted, max, sum, weighted_sum};
 
+mod cache;
+mod candle_op;
 mod vector;
+
+pub(crate) use cache::Cache;
 
 /// Keys scored at once: big enough to amortise a task, small enough to spread a 2k context over the threads
 /// and keep a tile's scores and widened keys in L2.
@@ -28,9 +28,6 @@ const KEYS_PER_CHUNK: usize = 256;
 const PARALLEL_KEYS: usize = 2048;
 /// Most query rows (group x tokens) of one tile: the rows that share each widened chunk of keys.
 const MAX_ROWS: usize = 64;
-/// Query rows of a tile up to which an f16 cache is read in place rather than widened into a buffer first: a
-/// decode step's rows are its group (3 for SmolLM2, 4 to 8 for most GQA models).
-const READ_IN_PLACE_ROWS: usize = 4;
 /// With at least this many tiles over all KV heads, every task is a whole tile (its chunks one after another);
 /// with fewer, the chunks of each tile are tasks of their own, so a decode step still uses every thread.
 const TILES_FOR_WHOLE_TILE_TASKS: usize = 16;
@@ -107,86 +104,6 @@ thread_local! {
     /// step is such a step for every session, block and KV head, and allocating these afresh each time was a
     /// dozen allocations per session and block.
     static DECODE_BUFFERS: RefCell<(Work, Partial)> = RefCell::new(Default::default());
-}
-
-/// The cache's elements: f32, or f16 widened as they are read (a chunk of positions at a time into a buffer, or
-/// in registers by the inner loops themselves).
-#[derive(Clone, Copy)]
-enum Elems<'a> {
-    F32(&'a [f32]),
-    F16(&'a [f16]),
-}
-
-impl<'a> Elems<'a> {
-    fn range(self, r: Range<usize>) -> Self {
-        match self {
-            Elems::F32(x) => Elems::F32(&x[r]),
-            Elems::F16(x) => Elems::F16(&x[r]),
-        }
-    }
-}
-
-/// Keys or values of the cache, as the kernel reads them.
-#[derive(Clone, Copy)]
-pub(crate) struct Cache<'a> {
-    data: Elems<'a>,
-    offset: usize,
-    batch_stride: usize,
-    head_stride: usize,
-}
-
-impl<'a> Cache<'a> {
-    /// Keys or values of an f16 cache in host memory: `[batch, kv_heads, capacity, head_dim]`, row-major.
-    pub(crate) fn host(data: &'a [f16], (kv_heads, capacity, d): (usize, usize, usize)) -> Self {
-        Self {
-            data: Elems::F16(data),
-            offset: 0,
-            batch_stride: kv_heads * capacity * d,
-            head_stride: capacity * d,
-        }
-    }
-
-    /// Rows `first..first + n` of head `h` of sequence `b` (contiguous in the cache), as stored.
-    fn stored(&self, (b, h, first, n, d): (usize, usize, usize, usize, usize)) -> Elems<'a> {
-        let start = self.offset + b * self.batch_stride + h * self.head_stride + first * d;
-        self.data.range(start..start + n * d)
-    }
-
-    /// The same rows in f32: borrowed from an f32 cache, widened into `buf` from an f16 one.
-    fn rows<'s>(
-        &'s self,
-        at: (usize, usize, usize, usize, usize),
-        buf: &'s mut [f32],
-    ) -> &'s [f32] {
-        match self.stored(at) {
-            Elems::F32(x) => x,
-            Elems::F16(x) => {
-                x.convert_to_f32_slice(&mut buf[..x.len()]);
-                &buf[..x.len()]
-            }
-        }
-    }
-
-    /// The rows as the inner loops read them: widened once into `buf` when many query rows will read each (a
-    /// prompt's tile), read where they lie when few do (a decode step's group), since widening in registers is
-    /// then cheaper than writing and reading back a copy.
-    fn for_rows<'s>(
-        &'s self,
-        at: (usize, usize, usize, usize, usize),
-        readers: usize,
-        buf: &'s mut [f32],
-    ) -> Elems<'s> {
-        if self.widens(readers) {
-            Elems::F32(self.rows(at, buf))
-        } else {
-            self.stored(at)
-        }
-    }
-
-    /// Whether [`Self::for_rows`] widens into its buffer for this many reading rows.
-    fn widens(&self, readers: usize) -> bool {
-        matches!(self.data, Elems::F16(_)) && readers > READ_IN_PLACE_ROWS
-    }
 }
 
 /// One task: the query tokens `tile` of KV head `bh` (batch x KV heads, flattened) against the keys `keys`.
@@ -452,91 +369,6 @@ fn chunks(range: Range<usize>, size: usize) -> impl Iterator<Item = Range<usize>
         .map(move |s| s..(s + size).min(range.end))
 }
 
-fn f32_slice<'a>(s: &'a CpuStorage, what: &str) -> candle_core::Result<&'a [f32]> {
-    match s {
-        CpuStorage::F32(v) => Ok(v),
-        other => candle_core::bail!("flash attention: {what} are {:?}, not f32", other.dtype()),
-    }
-}
-
-/// The cache's layout as the kernel reads it: `[batch, kv_heads, len, head_dim]` with contiguous rows.
-fn cache_view<'a>(
-    s: &'a CpuStorage,
-    l: &Layout,
-    what: &str,
-    (batch, kv_heads, d): (usize, usize, usize),
-) -> candle_core::Result<(Cache<'a>, usize)> {
-    let (data, elems) = match s {
-        CpuStorage::F32(v) => (Elems::F32(v), v.len()),
-        CpuStorage::F16(v) => (Elems::F16(v), v.len()),
-        other => candle_core::bail!(
-            "flash attention: {what} are {:?}, not f32 or f16",
-            other.dtype()
-        ),
-    };
-    let (dims, stride) = (l.dims(), l.stride());
-    if dims.len() != 4 || dims[0] != batch || dims[1] != kv_heads || dims[3] != d {
-        candle_core::bail!(
-            "flash attention: {what} {dims:?} for queries with {batch} x {kv_heads} x {d}"
-        );
-    }
-    if stride[3] != 1 || stride[2] != d {
-        candle_core::bail!("flash attention: {what} rows are not contiguous ({stride:?})");
-    }
-    let len = dims[2];
-    let last = l.start_offset() + (batch - 1) * stride[0] + (kv_heads - 1) * stride[1] + len * d;
-    if len > 0 && last > elems {
-        candle_core::bail!("flash attention: {what} layout runs past its storage");
-    }
-    let view = Cache {
-        data,
-        offset: l.start_offset(),
-        batch_stride: stride[0],
-        head_stride: stride[1],
-    };
-    Ok((view, len))
-}
-
-impl CustomOp3 for FlashAttention {
-    fn name(&self) -> &'static str {
-        "petal-flash-attention"
-    }
-
-    fn cpu_fwd(
-        &self,
-        qs: &CpuStorage,
-        ql: &Layout,
-        ks: &CpuStorage,
-        kl: &Layout,
-        vs: &CpuStorage,
-        vl: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let Some((start, end)) = ql.contiguous_offsets() else {
-            candle_core::bail!("flash attention: queries must be contiguous");
-        };
-        let q = &f32_slice(qs, "queries")?[start..end];
-        let dims: [usize; 5] = match ql.dims() {
-            &[b, h, g, t, d] if g == self.group => [b, h, g, t, d],
-            other => {
-                candle_core::bail!("flash attention: queries {other:?}, group {}", self.group)
-            }
-        };
-        let [b, h, _, _, d] = dims;
-        let (k, len) = cache_view(ks, kl, "keys", (b, h, d))?;
-        let (v, vlen) = cache_view(vs, vl, "values", (b, h, d))?;
-        if vlen != len || len < self.position + dims[3] {
-            candle_core::bail!(
-                "flash attention: {len} keys and {vlen} values for {} tokens at position {}",
-                dims[3],
-                self.position
-            );
-        }
-        let mut out = vec![0f32; q.len()];
-        self.compute(q, dims, (k, v), len, &mut out);
-        Ok((CpuStorage::F32(out), ql.shape().clone()))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -568,8 +400,8 @@ mod tests {
         };
         // Keys 0..7 of a chunk: the last query rows see none of them through the window.
         let (k, v) = (
-            f32_cache(&keys, n * d, n * d),
-            f32_cache(&values, n * d, n * d),
+            Cache::f32(&keys, n * d, n * d),
+            Cache::f32(&values, n * d, n * d),
         );
         // Buffers reused from one chunk to the next, as a thread's decode buffers are: they must give what fresh
         // ones give.
@@ -606,16 +438,6 @@ mod tests {
                 assert_eq!(merged.sum[r].to_bits(), part.sum[r].to_bits());
             }
             assert_eq!(bits(&merged.acc), bits(&part.acc));
-        }
-    }
-
-    /// An f32 cache of `data` from its start, sequences and heads the given strides apart.
-    fn f32_cache(data: &[f32], batch_stride: usize, head_stride: usize) -> Cache<'_> {
-        Cache {
-            data: Elems::F32(data),
-            offset: 0,
-            batch_stride,
-            head_stride,
         }
     }
 
@@ -761,8 +583,8 @@ mod tests {
             let strides = (kv_heads * len * d, len * d);
             let caches = [
                 (
-                    f32_cache(&kf, strides.0, strides.1),
-                    f32_cache(&vf, strides.0, strides.1),
+                    Cache::f32(&kf, strides.0, strides.1),
+                    Cache::f32(&vf, strides.0, strides.1),
                 ),
                 (
                     Cache::host(&kh, (kv_heads, len, d)),
@@ -791,7 +613,7 @@ mod tests {
             group: 3,
         };
         let (q, keys) = (vec![0f32; 3 * 64], vec![0f32; 300 * 64]);
-        let cache = f32_cache(&keys, 300 * 64, 300 * 64);
+        let cache = Cache::f32(&keys, 300 * 64, 300 * 64);
         let mut out = vec![0f32; q.len()];
         assert!(!op.compute_one_chunk(&q, [1, 1, 3, 1, 64], (cache, cache), 300, &mut out));
     }

@@ -2,7 +2,7 @@
 //! rows, and the softmax's shifted exponentials, in AVX2 where the CPU has it (detected at run time) with scalar
 //! fallbacks.
 
-use super::Elems;
+use super::cache::Elems;
 
 /// `out[j] = q . k_j` for the rows `k_j` of `keys` (each as long as `q`); f16 keys are widened as they are read,
 /// exactly, so either kind gives the same sums for the same values.
