@@ -201,7 +201,10 @@ impl Generator {
         let t2 = Instant::now();
         // The session's address names it while it lives: the LM head batches the sessions that come back together.
         let caller = (&**session as *const dyn BlockSession).cast::<()>() as usize as u64;
-        let logits = compute(|| self.head.logits_for(caller, &out.hidden))?;
+        let logits = self
+            .head
+            .logits_async(caller, &out.hidden, |f| compute(f))
+            .await?;
         let timing = StepTiming {
             tokens: ids.len(),
             embed: t1 - t0,

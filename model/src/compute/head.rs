@@ -98,7 +98,40 @@ impl Head {
     /// [`Head::logits`] for `caller` (a session, unique among those alive): the callers of one shared matmul
     /// tend to come back together for the next, and it waits a little for those that have not yet.
     pub fn logits_for(&self, caller: u64, hidden: &Tensor) -> Result<Tensor> {
-        let _span = tracing::trace_span!("head").entered();
+        let last = self.last_position(hidden)?;
+        match &self.batcher {
+            // From a thread of the compute pool, waiting for another caller's batch could hold a thread that
+            // batch needs.
+            Some(batcher) if rayon::current_thread_index().is_none() => {
+                batcher.run(caller, last, |x| self.project(x))
+            }
+            _ => self.project(&last),
+        }
+    }
+
+    /// [`Head::logits_for`] from an async task: it waits for a shared matmul without holding a thread, and runs
+    /// synchronous compute (its own rows alone, or a batch it computes for the others) through `blocking`, which
+    /// must run the closure on the calling thread without stalling the runtime (tokio's `block_in_place`).
+    pub async fn logits_async(
+        &self,
+        caller: u64,
+        hidden: &Tensor,
+        blocking: impl Fn(&mut dyn FnMut()),
+    ) -> Result<Tensor> {
+        let last = self.last_position(hidden)?;
+        let project = |x: &Tensor| self.project(x);
+        match &self.batcher {
+            Some(batcher) => batcher.run_async(caller, last, project, blocking).await,
+            None => {
+                let mut logits = None;
+                blocking(&mut || logits = Some(project(&last)));
+                logits.unwrap_or_else(|| Err(ModelError::Config("the head did not run".into())))
+            }
+        }
+    }
+
+    /// The last position of `hidden` (`[batch, tokens, hidden]`) as `[batch, hidden]`, on the head's placement.
+    fn last_position(&self, hidden: &Tensor) -> Result<Tensor> {
         let (_, tokens, _) = hidden.dims3()?;
         if tokens == 0 {
             return Err(ModelError::HiddenShape {
@@ -107,21 +140,10 @@ impl Head {
             });
         }
         // The norm is by position: only the last one's is needed.
-        let last = normalise(
+        normalise(
             &hidden.narrow(1, tokens - 1, 1)?.squeeze(1)?,
             &self.placement,
-        )?;
-        let device = &self.placement.device;
-        match &self.batcher {
-            // From a thread of the compute pool, waiting for another caller's batch could hold a thread that
-            // batch needs.
-            Some(batcher) if rayon::current_thread_index().is_none() => {
-                batcher.run(caller, last, |x| {
-                    on_compute_pool(device, || self.project(x))
-                })
-            }
-            _ => on_compute_pool(device, || self.project(&last)),
-        }
+        )
     }
 
     /// What the LM head's row batching has done: `None` where it does not batch.
@@ -129,8 +151,13 @@ impl Head {
         self.batcher.as_ref().map(RowBatcher::stats)
     }
 
-    /// Final norm and LM head of `[rows, hidden]` last positions.
+    /// Final norm and LM head of `[rows, hidden]` last positions (one caller's or a batch's), on the compute pool.
     fn project(&self, last: &Tensor) -> Result<Tensor> {
+        let _span = tracing::trace_span!("head", rows = last.dim(0)?).entered();
+        on_compute_pool(&self.placement.device, || self.project_here(last))
+    }
+
+    fn project_here(&self, last: &Tensor) -> Result<Tensor> {
         let x = self.norm.forward(&last.contiguous()?)?;
         let logits = self.lm_head.forward(&x)?.to_dtype(DType::F32)?;
         Ok(match self.final_softcap {

@@ -7,7 +7,8 @@
 //!
 //! Each waiting caller sleeps on its own ([`std::thread::park`]) and is woken by its answer, not by the batch's
 //! end: sixteen callers woken together on one condvar would each take the shared lock in turn, a context switch
-//! apiece, before any could go on (1 ms of a 20 ms round on two cores).
+//! apiece, before any could go on (1 ms of a 20 ms round on two cores). Async callers ([`RowBatcher::run_async`])
+//! wait as tasks and hold no thread: of a client's sessions only the one that computes a batch leaves its worker.
 //!
 //! Callers that come together tend to come back together, but not at the same instant, so callers name themselves
 //! (a session), and the one about to compute first waits for the callers of the last batches that have not queued
@@ -22,14 +23,28 @@ use candle_core::Tensor;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
+use tokio::sync::Notify;
 
 /// The longest a batch waits for the callers of the last batches, whatever the last batch took.
 const MAX_GATHER: Duration = Duration::from_millis(5);
 
-/// A caller's answer, filled by whoever computes its rows, and the caller's thread, woken when it is.
+/// A caller's answer, filled by whoever computes its rows, and who to wake when it is.
 struct Answer {
     result: Mutex<Option<Result<Tensor>>>,
-    waiter: Thread,
+    waiter: Waiter,
+}
+
+/// A waiting caller: a thread ([`RowBatcher::run`]) or an async task ([`RowBatcher::run_async`]).
+enum Waiter {
+    Thread(Thread),
+    Task(Arc<Notify>),
+}
+
+/// What a queued caller does next.
+enum Next {
+    Answered(Result<Tensor>),
+    Compute,
+    Wait,
 }
 
 type Slot = Arc<Answer>;
@@ -129,9 +144,46 @@ impl RowBatcher {
         rows: Tensor,
         f: impl Fn(&Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
-        let answer: Slot = Arc::new(Answer {
+        let answer = self.queue(caller, rows, Waiter::Thread(std::thread::current()));
+        loop {
+            match self.next(&answer) {
+                Next::Answered(result) => return result,
+                Next::Compute => self.compute_queue(&f),
+                // Woken by our answer, or to compute when our rows missed the running batch (see `Computing`); an
+                // unpark that comes before the park makes it return at once, so none is lost.
+                Next::Wait => std::thread::park(),
+            }
+        }
+    }
+
+    /// [`RowBatcher::run`] for an async task: it waits for its answer without holding a thread, and only a caller
+    /// that computes a batch (gathering included) runs synchronous code, through `blocking` (which must run the
+    /// closure it is given on the calling thread without stalling the runtime, as tokio's `block_in_place` does).
+    /// Sixteen sessions of one client then cost one thread hand-off a batch rather than sixteen each way.
+    pub async fn run_async(
+        &self,
+        caller: u64,
+        rows: Tensor,
+        f: impl Fn(&Tensor) -> Result<Tensor>,
+        blocking: impl Fn(&mut dyn FnMut()),
+    ) -> Result<Tensor> {
+        let woken = Arc::new(Notify::new());
+        let answer = self.queue(caller, rows, Waiter::Task(woken.clone()));
+        loop {
+            match self.next(&answer) {
+                Next::Answered(result) => return result,
+                Next::Compute => blocking(&mut || self.compute_queue(&f)),
+                // A wake that comes before the wait leaves a permit, so none is lost.
+                Next::Wait => woken.notified().await,
+            }
+        }
+    }
+
+    /// Queues a caller's rows; the returned slot gets its answer.
+    fn queue(&self, caller: u64, rows: Tensor, waiter: Waiter) -> Slot {
+        let answer = Arc::new(Answer {
             result: Mutex::new(None),
-            waiter: std::thread::current(),
+            waiter,
         });
         let mut state = lock(&self.state);
         state.queue.push(Request {
@@ -144,29 +196,32 @@ impl RowBatcher {
         if state.computing && !state.gathering.missing(&state.queued_callers()) {
             self.arrived.notify_one();
         }
-        loop {
-            if let Some(done) = lock(&answer.result).take() {
-                return done;
-            }
-            if !state.computing {
-                // Our rows are still queued, and nobody computes: we do.
-                state.computing = true;
-                let computing = Computing(self);
-                let (batch, gathered) = self.gather(state);
-                let took = self.compute(&batch, gathered, &f);
-                lock(&self.state)
-                    .gathering
-                    .ran(batch.iter().map(|r| r.caller).collect(), took);
-                drop(computing);
-                state = lock(&self.state);
-                continue;
-            }
-            // Woken by our answer, or to compute when our rows missed the running batch (see `Computing`); an
-            // unpark that comes before the park makes it return at once, so none is lost.
-            drop(state);
-            std::thread::park();
-            state = lock(&self.state);
+        answer
+    }
+
+    /// What a queued caller does next: take its answer, compute the queue (its rows are still in it, and nobody
+    /// computes: the turn is now its own), or wait to be woken.
+    fn next(&self, answer: &Slot) -> Next {
+        let mut state = lock(&self.state);
+        if let Some(done) = lock(&answer.result).take() {
+            return Next::Answered(done);
         }
+        if state.computing {
+            return Next::Wait;
+        }
+        state.computing = true;
+        Next::Compute
+    }
+
+    /// Gathers and computes the queue, the turn having been taken by [`RowBatcher::next`].
+    fn compute_queue(&self, f: &impl Fn(&Tensor) -> Result<Tensor>) {
+        let computing = Computing(self);
+        let (batch, gathered) = self.gather(lock(&self.state));
+        let took = self.compute(&batch, gathered, f);
+        lock(&self.state)
+            .gathering
+            .ran(batch.iter().map(|r| r.caller).collect(), took);
+        drop(computing);
     }
 
     /// Waits for the callers of the last two batches that have not queued, up to the gathering limit, then takes
@@ -240,10 +295,13 @@ fn answer_with(r: &Request, result: Result<Tensor>) {
     wake(&r.answer);
 }
 
-/// Wakes the caller waiting for `answer` (not the computing caller itself, which is not waiting).
+/// Wakes the caller waiting for `answer` (not a computing thread itself, which is not waiting; a computing task's
+/// permit is taken by its next look at the answer).
 fn wake(answer: &Answer) {
-    if answer.waiter.id() != std::thread::current().id() {
-        answer.waiter.unpark();
+    match &answer.waiter {
+        Waiter::Thread(t) if t.id() != std::thread::current().id() => t.unpark(),
+        Waiter::Thread(_) => {}
+        Waiter::Task(woken) => woken.notify_one(),
     }
 }
 
@@ -330,6 +388,73 @@ mod tests {
                 );
             }
         });
+        let stats = batcher.stats();
+        assert_eq!((stats.batches, stats.calls, stats.largest), (2, 5, 4));
+    }
+
+    /// Async callers queued behind a thread's batch share the next batch, computed by the first of them, and wait
+    /// without a thread: all four run on one runtime thread, which a caller holding it would deadlock.
+    #[test]
+    fn async_callers_share_a_batch_while_waiting_on_one_runtime_thread() {
+        let batcher = Arc::new(RowBatcher::new());
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let (started_tx, started_rx) = mpsc::channel();
+        let (release_tx, release_rx) = mpsc::channel::<()>();
+        let release_rx = Mutex::new(release_rx);
+        let computed_on = Mutex::new(vec![]);
+        std::thread::scope(|s| {
+            let first = s.spawn(|| {
+                batcher.run(1, row(1.0), |x| {
+                    started_tx.send(()).unwrap();
+                    lock(&release_rx).recv().unwrap();
+                    Ok((x * 10.0)?)
+                })
+            });
+            started_rx.recv().unwrap();
+            let got = runtime.block_on(async {
+                let call = |i: u64| {
+                    let (batcher, computed_on) = (&batcher, &computed_on);
+                    async move {
+                        let f = |x: &Tensor| Ok((x * 10.0)?);
+                        let blocking = |job: &mut dyn FnMut()| {
+                            lock(computed_on).push(i);
+                            job()
+                        };
+                        batcher.run_async(i, row(i as f32), f, blocking).await
+                    }
+                };
+                let release = async {
+                    // Every task has queued its rows behind the running batch before it ends.
+                    while batcher.queued() < 4 {
+                        tokio::task::yield_now().await;
+                    }
+                    release_tx.send(()).unwrap();
+                };
+                let all = async {
+                    let (a, b, c, d, ()) =
+                        tokio::join!(call(2), call(3), call(4), call(5), release);
+                    [a, b, c, d]
+                };
+                // A lost wake-up fails here rather than hanging the suite.
+                tokio::time::timeout(Duration::from_secs(60), all)
+                    .await
+                    .expect("the async callers stalled")
+            });
+            assert_eq!(
+                first.join().unwrap().unwrap().to_vec2::<f32>().unwrap(),
+                vec![vec![10.0; 4]]
+            );
+            for (i, t) in (2..=5).zip(got) {
+                assert_eq!(
+                    t.unwrap().to_vec2::<f32>().unwrap(),
+                    vec![vec![10.0 * i as f32; 4]]
+                );
+            }
+        });
+        assert_eq!(lock(&computed_on).len(), 1, "one task computes for all");
         let stats = batcher.stats();
         assert_eq!((stats.batches, stats.calls, stats.largest), (2, 5, 4));
     }
