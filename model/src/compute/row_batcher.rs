@@ -351,22 +351,35 @@ mod tests {
         Tensor::full(v, (1, 4), &Device::Cpu).unwrap()
     }
 
-    #[test]
-    fn callers_that_arrive_during_a_batch_share_the_next_and_each_gets_its_own_rows() {
-        let batcher = Arc::new(RowBatcher::new());
+    /// `caller` computing a batch of its own row with `f`, holding the turn until the returned sender releases
+    /// it: callers arriving meanwhile queue behind it.
+    fn hold_turn<'scope>(
+        s: &'scope std::thread::Scope<'scope, '_>,
+        batcher: &'scope RowBatcher,
+        caller: u64,
+        f: fn(&Tensor) -> Result<Tensor>,
+    ) -> (
+        std::thread::ScopedJoinHandle<'scope, Result<Tensor>>,
+        mpsc::Sender<()>,
+    ) {
         let (started_tx, started_rx) = mpsc::channel();
         let (release_tx, release_rx) = mpsc::channel::<()>();
-        let release_rx = Mutex::new(release_rx);
+        let holder = s.spawn(move || {
+            batcher.run(caller, row(caller as f32), |x| {
+                started_tx.send(()).unwrap();
+                release_rx.recv().unwrap();
+                f(x)
+            })
+        });
+        started_rx.recv().unwrap();
+        (holder, release_tx)
+    }
+
+    #[test]
+    fn callers_that_arrive_during_a_batch_share_the_next_and_each_gets_its_own_rows() {
+        let batcher = RowBatcher::new();
         std::thread::scope(|s| {
-            // The first caller holds the turn until released.
-            let first = s.spawn(|| {
-                batcher.run(1, row(1.0), |x| {
-                    started_tx.send(()).unwrap();
-                    lock(&release_rx).recv().unwrap();
-                    Ok((x * 10.0)?)
-                })
-            });
-            started_rx.recv().unwrap();
+            let (first, release_tx) = hold_turn(s, &batcher, 1, |x| Ok((x * 10.0)?));
             let others: Vec<_> = (2..=5)
                 .map(|i| {
                     let batcher = &batcher;
@@ -396,24 +409,14 @@ mod tests {
     /// without a thread: all four run on one runtime thread, which a caller holding it would deadlock.
     #[test]
     fn async_callers_share_a_batch_while_waiting_on_one_runtime_thread() {
-        let batcher = Arc::new(RowBatcher::new());
+        let batcher = RowBatcher::new();
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_time()
             .build()
             .unwrap();
-        let (started_tx, started_rx) = mpsc::channel();
-        let (release_tx, release_rx) = mpsc::channel::<()>();
-        let release_rx = Mutex::new(release_rx);
         let computed_on = Mutex::new(vec![]);
         std::thread::scope(|s| {
-            let first = s.spawn(|| {
-                batcher.run(1, row(1.0), |x| {
-                    started_tx.send(()).unwrap();
-                    lock(&release_rx).recv().unwrap();
-                    Ok((x * 10.0)?)
-                })
-            });
-            started_rx.recv().unwrap();
+            let (first, release_tx) = hold_turn(s, &batcher, 1, |x| Ok((x * 10.0)?));
             let got = runtime.block_on(async {
                 let call = |i: u64| {
                     let (batcher, computed_on) = (&batcher, &computed_on);
@@ -483,18 +486,8 @@ mod tests {
 
     /// Callers 1 to 4 queued behind a running batch of caller 4, so that the next batch answers exactly these four.
     fn batch_of_four(batcher: &RowBatcher) {
-        let (started_tx, started_rx) = mpsc::channel();
-        let (release_tx, release_rx) = mpsc::channel::<()>();
-        let release_rx = Mutex::new(release_rx);
         std::thread::scope(|s| {
-            s.spawn(|| {
-                batcher.run(4, row(0.0), |x| {
-                    started_tx.send(()).unwrap();
-                    lock(&release_rx).recv().unwrap();
-                    Ok(x.clone())
-                })
-            });
-            started_rx.recv().unwrap();
+            let (_holder, release_tx) = hold_turn(s, batcher, 4, |x| Ok(x.clone()));
             for i in 1..=4 {
                 s.spawn(move || batcher.run(i, row(i as f32), |x| Ok(x.clone())));
             }
