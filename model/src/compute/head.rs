@@ -92,26 +92,22 @@ impl Head {
     /// f32 logits `[batch, vocab]` of the last position of `hidden` (`[batch, tokens, hidden]`), from wherever the
     /// last block left it. Callers on several threads at once share one LM head matmul where it allows.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        self.logits_for(0, hidden)
-    }
-
-    /// [`Head::logits`] for `caller` (a session, unique among those alive): the callers of one shared matmul
-    /// tend to come back together for the next, and it waits a little for those that have not yet.
-    pub fn logits_for(&self, caller: u64, hidden: &Tensor) -> Result<Tensor> {
         let last = self.last_position(hidden)?;
         match &self.batcher {
             // From a thread of the compute pool, waiting for another caller's batch could hold a thread that
             // batch needs.
             Some(batcher) if rayon::current_thread_index().is_none() => {
-                batcher.run(caller, last, |x| self.project(x))
+                batcher.run(0, last, |x| self.project(x))
             }
             _ => self.project(&last),
         }
     }
 
-    /// [`Head::logits_for`] from an async task: it waits for a shared matmul without holding a thread, and runs
-    /// synchronous compute (its own rows alone, or a batch it computes for the others) through `blocking`, which
-    /// must run the closure on the calling thread without stalling the runtime (tokio's `block_in_place`).
+    /// [`Head::logits`] from an async task, for `caller` (a session, unique among those alive): the callers of one
+    /// shared matmul tend to come back together for the next, and it waits a little for those that have not yet.
+    /// It waits without holding a thread, and runs synchronous compute (its own rows alone, or a batch it computes
+    /// for the others) through `blocking`, which must run the closure on the calling thread without stalling the
+    /// runtime (tokio's `block_in_place`).
     pub async fn logits_async(
         &self,
         caller: u64,
