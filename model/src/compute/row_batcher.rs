@@ -169,6 +169,10 @@ impl RowBatcher {
     ) -> Result<Tensor> {
         let woken = Arc::new(Notify::new());
         let answer = self.queue(caller, rows, Waiter::Task(woken.clone()));
+        let _withdraw = Withdraw {
+            batcher: self,
+            answer: &answer,
+        };
         loop {
             match self.next(&answer) {
                 Next::Answered(result) => return result,
@@ -322,6 +326,33 @@ impl Drop for Computing<'_> {
     }
 }
 
+/// Takes an async caller's rows out of the queue if it is dropped before a batch took them (its request was
+/// aborted), and then, if nobody computes, wakes the first caller still queued: the turn may have been passed to the
+/// dropped caller, and rows nobody waits for would otherwise keep the others waiting for ever.
+struct Withdraw<'a> {
+    batcher: &'a RowBatcher,
+    answer: &'a Slot,
+}
+
+impl Drop for Withdraw<'_> {
+    fn drop(&mut self) {
+        let next = {
+            let mut state = lock(&self.batcher.state);
+            let before = state.queue.len();
+            state.queue.retain(|r| !Arc::ptr_eq(&r.answer, self.answer));
+            let withdrawn = state.queue.len() < before;
+            if withdrawn && !state.computing {
+                state.queue.first().map(|r| r.answer.clone())
+            } else {
+                None
+            }
+        };
+        if let Some(next) = next {
+            wake(&next);
+        }
+    }
+}
+
 /// Answers every request of a batch that has no answer yet with an error when dropped: if `f` panics, the
 /// callers whose rows were taken do not wait for ever.
 struct Unanswered<'a>(&'a [Request]);
@@ -460,6 +491,51 @@ mod tests {
         assert_eq!(lock(&computed_on).len(), 1, "one task computes for all");
         let stats = batcher.stats();
         assert_eq!((stats.batches, stats.calls, stats.largest), (2, 5, 4));
+    }
+
+    /// An async caller dropped while queued (its request aborted) leaves the queue: the caller behind it is woken to
+    /// compute when the running batch ends, instead of the dropped one.
+    #[test]
+    fn an_async_caller_dropped_while_queued_does_not_strand_the_next() {
+        let batcher = RowBatcher::new();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        std::thread::scope(|s| {
+            let (first, release_tx) = hold_turn(s, &batcher, 1, |x| Ok(x.clone()));
+            let got = runtime.block_on(async {
+                let call = |i: u64| {
+                    let batcher = &batcher;
+                    async move {
+                        let blocking = |job: &mut dyn FnMut()| job();
+                        batcher
+                            .run_async(i, row(i as f32), |x| Ok(x.clone()), blocking)
+                            .await
+                    }
+                };
+                // Its first poll queues caller 2's rows, first behind the running batch; then it is dropped.
+                let dropped = tokio::time::timeout(Duration::from_millis(1), call(2)).await;
+                assert!(
+                    dropped.is_err(),
+                    "caller 2 cannot finish behind the running batch"
+                );
+                let release = async {
+                    while batcher.queued() < 1 {
+                        tokio::task::yield_now().await;
+                    }
+                    release_tx.send(()).unwrap();
+                };
+                let (got, ()) = tokio::join!(
+                    tokio::time::timeout(Duration::from_secs(60), call(3)),
+                    release
+                );
+                got.expect("caller 3 was left waiting")
+            });
+            assert!(first.join().unwrap().is_ok());
+            assert_eq!(got.unwrap().to_vec2::<f32>().unwrap(), vec![vec![3.0; 4]]);
+        });
+        assert_eq!(batcher.queued(), 0);
     }
 
     #[test]
