@@ -406,6 +406,22 @@ mod tests {
         (holder, release_tx)
     }
 
+    /// A current-thread runtime with timers: async callers that parked its one thread would stall it.
+    fn one_thread_runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap()
+    }
+
+    /// Releases the running batch once `n` callers have queued their rows behind it.
+    async fn release_when_queued(batcher: &RowBatcher, n: usize, release_tx: mpsc::Sender<()>) {
+        while batcher.queued() < n {
+            tokio::task::yield_now().await;
+        }
+        release_tx.send(()).unwrap();
+    }
+
     #[test]
     fn callers_that_arrive_during_a_batch_share_the_next_and_each_gets_its_own_rows() {
         let batcher = RowBatcher::new();
@@ -441,10 +457,7 @@ mod tests {
     #[test]
     fn async_callers_share_a_batch_while_waiting_on_one_runtime_thread() {
         let batcher = RowBatcher::new();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap();
+        let runtime = one_thread_runtime();
         let computed_on = Mutex::new(vec![]);
         std::thread::scope(|s| {
             let (first, release_tx) = hold_turn(s, &batcher, 1, |x| Ok((x * 10.0)?));
@@ -460,13 +473,8 @@ mod tests {
                         batcher.run_async(i, row(i as f32), f, blocking).await
                     }
                 };
-                let release = async {
-                    // Every task has queued its rows behind the running batch before it ends.
-                    while batcher.queued() < 4 {
-                        tokio::task::yield_now().await;
-                    }
-                    release_tx.send(()).unwrap();
-                };
+                // Every task has queued its rows behind the running batch before it ends.
+                let release = release_when_queued(&batcher, 4, release_tx);
                 let all = async {
                     let (a, b, c, d, ()) =
                         tokio::join!(call(2), call(3), call(4), call(5), release);
@@ -498,10 +506,7 @@ mod tests {
     #[test]
     fn an_async_caller_dropped_while_queued_does_not_strand_the_next() {
         let batcher = RowBatcher::new();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap();
+        let runtime = one_thread_runtime();
         std::thread::scope(|s| {
             let (first, release_tx) = hold_turn(s, &batcher, 1, |x| Ok(x.clone()));
             let got = runtime.block_on(async {
@@ -520,12 +525,7 @@ mod tests {
                     dropped.is_err(),
                     "caller 2 cannot finish behind the running batch"
                 );
-                let release = async {
-                    while batcher.queued() < 1 {
-                        tokio::task::yield_now().await;
-                    }
-                    release_tx.send(()).unwrap();
-                };
+                let release = release_when_queued(&batcher, 1, release_tx);
                 let (got, ()) = tokio::join!(
                     tokio::time::timeout(Duration::from_secs(60), call(3)),
                     release
