@@ -51,6 +51,16 @@ impl Gathering {
         self.recent.iter().flatten().any(|c| !queued.contains(c))
     }
 
+    /// Whether the last two batches had one caller between them (or none): the next batch then waits for nobody
+    /// but whoever starts it.
+    pub fn one_caller(&self) -> bool {
+        let mut callers = self.recent.iter().flatten();
+        match callers.next() {
+            None => true,
+            Some(first) => callers.all(|c| c == first),
+        }
+    }
+
     /// Forgets the callers of the last batches that are not among `queued` (the wait is over).
     pub fn forget_missing(&mut self, queued: &[u64]) {
         for callers in &mut self.recent {
@@ -83,6 +93,21 @@ mod tests {
         // A third batch pushes the oldest out.
         g.ran(vec![4], Duration::ZERO);
         assert!(!g.missing(&[4, 3]));
+    }
+
+    #[test]
+    fn one_caller_means_one_across_the_last_two_batches() {
+        let mut g = Gathering::new(Duration::from_millis(5), None);
+        assert!(g.one_caller(), "no batch yet");
+        g.ran(vec![7], Duration::from_millis(1));
+        g.ran(vec![7], Duration::from_millis(1));
+        assert!(g.one_caller());
+        g.ran(vec![8], Duration::from_millis(1));
+        assert!(!g.one_caller(), "7 and 8 in the last two");
+        g.ran(vec![8], Duration::from_millis(1));
+        assert!(g.one_caller());
+        g.ran(vec![8, 9], Duration::from_millis(1));
+        assert!(!g.one_caller());
     }
 
     #[test]

@@ -11,15 +11,22 @@
 //! themselves they fall asleep between ops after a few dozen yields, and on a virtual machine a sleeping thread
 //! takes longer to wake than many of a step's ops take to run: the thread that started an op then ran all of it
 //! while the other woke up, only to fall asleep again (a profile of sixteen sessions on two cores: one core idle
-//! a fifth of the batch).
+//! a fifth of the batch). For the same reason a span scheduler's pool is woken as a step is queued
+//! ([`PoolWaker`]), so that its threads wake while the scheduler's own does rather than after it.
 use candle_core::Device;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 /// How long a thread kept awake by [`keep_awake`] looks for work before it gives up: longer than the serial steps
 /// between a forward's parallel ops (a norm, a session's attention set-up: tens of microseconds), short enough
 /// that a thread holding up the forward's own work by waiting there (see `keep_awake`) costs it little.
 const IDLE_SPIN: Duration = Duration::from_micros(200);
+
+/// How long threads woken by [`PoolWaker::wake`] look for the coming forward before they go back to sleep: longer
+/// than the owner thread takes to wake and start it (a wake-up and a batch's set-up, some 100 us on a virtual
+/// machine), short enough to cost little when a batch waits for more sessions first.
+const WAKE_SPIN: Duration = Duration::from_micros(400);
 
 /// Sets `RAYON_NUM_THREADS`, when it is unset, to the number rayon picks by itself (one thread per CPU this
 /// process may use), so that every pool is as big as before and candle stops counting CPUs on each matmul.
@@ -57,7 +64,27 @@ pub fn on_compute_pool<R: Send>(device: &Device, f: impl FnOnce() -> R + Send) -
 /// inside take this pool's threads (rayon's calls use the pool of the thread they run on).
 pub struct OwnPool {
     /// `None` off the CPU, or when the pool could not start: forwards then go through [`on_compute_pool`].
-    pool: Option<rayon::ThreadPool>,
+    pool: Option<Arc<rayon::ThreadPool>>,
+    state: Arc<PoolState>,
+}
+
+/// What an [`OwnPool`] shares with its [`PoolWaker`]s.
+struct PoolState {
+    /// A forward runs ([`OwnPool::run`]): its own [`keep_awake`] keeps the other threads at work.
+    running: AtomicBool,
+    /// When the last wake was sent, in nanoseconds since `epoch` (0: never), so that a burst of steps sends one.
+    last_wake: AtomicU64,
+    epoch: Instant,
+}
+
+impl Default for PoolState {
+    fn default() -> Self {
+        Self {
+            running: AtomicBool::new(false),
+            last_wake: AtomicU64::new(0),
+            epoch: Instant::now(),
+        }
+    }
 }
 
 impl OwnPool {
@@ -65,18 +92,25 @@ impl OwnPool {
     /// included, when `device` is the CPU.
     pub fn on_this_thread(device: &Device, name: &str) -> Self {
         if !device.is_cpu() || rayon::current_thread_index().is_some() {
-            return Self { pool: None };
+            return Self {
+                pool: None,
+                state: Arc::default(),
+            };
         }
         let prefix = name.to_string();
         let pool = rayon::ThreadPoolBuilder::new()
             .thread_name(move |i| format!("{prefix}-{i}"))
             .use_current_thread()
             .build();
+        let state = Arc::default();
         match pool {
-            Ok(pool) => Self { pool: Some(pool) },
+            Ok(pool) => Self {
+                pool: Some(Arc::new(pool)),
+                state,
+            },
             Err(e) => {
                 tracing::warn!(error = %e, "cannot start a compute pool; the shared one serves instead");
-                Self { pool: None }
+                Self { pool: None, state }
             }
         }
     }
@@ -85,9 +119,87 @@ impl OwnPool {
     pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         match &self.pool {
             // On a thread of the pool, a scope runs its body right here.
-            Some(_) => awake_scope(f),
+            Some(_) => {
+                self.state.running.store(true, Ordering::Release);
+                let _running = SetOnDrop(&self.state.running, false);
+                awake_scope(f)
+            }
             None => f(),
         }
+    }
+
+    /// A handle other threads use to wake this pool's threads ahead of a forward; `None` for a pool that is not
+    /// this thread's own (off the CPU), where there is nothing to wake.
+    pub fn waker(&self) -> Option<PoolWaker> {
+        self.pool.as_ref().map(|pool| PoolWaker {
+            pool: Arc::downgrade(pool),
+            state: self.state.clone(),
+        })
+    }
+}
+
+/// Wakes the threads of an [`OwnPool`] other than its owner when a forward is about to start there, so that they
+/// wake while the owner does rather than after it: a step handed to a span scheduler otherwise wakes its thread,
+/// whose forward then wakes the others, and the forward's first ops wait for the second wake-up (on a virtual
+/// machine some 50 us, on every hop of a chain).
+#[derive(Clone)]
+pub struct PoolWaker {
+    /// Weak: the pool belongs to its owner thread, which drops it when it ends.
+    pool: Weak<rayon::ThreadPool>,
+    state: Arc<PoolState>,
+}
+
+impl PoolWaker {
+    /// Wakes the pool's other threads to look for work for up to [`WAKE_SPIN`], unless a forward is running (its
+    /// threads are awake), a wake was sent less than that ago, or the pool is gone. Returns whether it sent one.
+    pub fn wake(&self) -> bool {
+        let now = self.state.epoch.elapsed().as_nanos();
+        self.wake_at(u64::try_from(now).unwrap_or(u64::MAX))
+    }
+
+    /// [`PoolWaker::wake`] at `now` nanoseconds after the pool's epoch.
+    fn wake_at(&self, now: u64) -> bool {
+        let state = &self.state;
+        if state.running.load(Ordering::Acquire) {
+            return false;
+        }
+        let last = state.last_wake.load(Ordering::Relaxed);
+        let spin = u64::try_from(WAKE_SPIN.as_nanos()).unwrap_or(u64::MAX);
+        if last != 0 && now.saturating_sub(last) < spin {
+            return false;
+        }
+        if state
+            .last_wake
+            .compare_exchange(last, now.max(1), Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
+        {
+            // Another caller sent this wake.
+            return false;
+        }
+        let Some(pool) = self.pool.upgrade() else {
+            return false;
+        };
+        let state = state.clone();
+        pool.spawn_broadcast(move |ctx| {
+            // Index 0 is the owner, which runs this job only once it computes: nothing to wait for then.
+            if ctx.index() != 0 {
+                look_for_work_until_a_forward(&state);
+            }
+        });
+        true
+    }
+}
+
+/// Looks for work until it has run some (the forward's own [`keep_awake`] job: the thread is then at work), a
+/// forward runs, or [`WAKE_SPIN`] passes. Returns at once when a forward already runs: this job may have been taken
+/// inside it, by a thread waiting in a join that cannot end before the job does.
+fn look_for_work_until_a_forward(state: &PoolState) {
+    let started = Instant::now();
+    while !state.running.load(Ordering::Acquire) && started.elapsed() < WAKE_SPIN {
+        if rayon::yield_now() == Some(rayon::Yield::Executed) {
+            return;
+        }
+        std::thread::yield_now();
     }
 }
 
@@ -127,24 +239,74 @@ fn keep_awake<'s, R>(scope: &rayon::Scope<'s>, done: &'s AtomicBool, f: impl FnO
         }
     });
     // Set however `f` ends: a panic leaves through the scope, which first waits for the jobs above.
-    let _done = SetOnDrop(done);
+    let _done = SetOnDrop(done, true);
     f()
 }
 
-/// Sets its flag when dropped.
-struct SetOnDrop<'a>(&'a AtomicBool);
+/// Sets its flag to its value when dropped.
+struct SetOnDrop<'a>(&'a AtomicBool, bool);
 
 impl Drop for SetOnDrop<'_> {
     fn drop(&mut self) {
-        self.0.store(true, Ordering::Release);
+        self.0.store(self.1, Ordering::Release);
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{on_compute_pool, OwnPool};
+    use super::{look_for_work_until_a_forward, on_compute_pool, OwnPool, PoolState, WAKE_SPIN};
     use candle_core::Device;
     use rayon::prelude::*;
+    use std::sync::atomic::Ordering;
+    use std::time::Instant;
+
+    #[test]
+    fn a_pool_woken_ahead_computes_its_forward_and_a_burst_of_steps_sends_one_wake() {
+        std::thread::spawn(|| {
+            let pool = OwnPool::on_this_thread(&Device::Cpu, "test");
+            let waker = pool.waker().expect("a CPU pool of its own has a waker");
+            let spin = WAKE_SPIN.as_nanos() as u64;
+            let mut now = 1;
+            for _ in 0..50 {
+                // Sent from another thread, as a span scheduler's handle does.
+                let (first, second) = std::thread::scope(|s| {
+                    s.spawn(|| (waker.wake_at(now), waker.wake_at(now + spin / 2)))
+                        .join()
+                        .unwrap()
+                });
+                assert!(first, "the first wake of a burst is sent");
+                assert!(!second, "a second wake within the first's spin is not");
+                let sum = pool.run(|| {
+                    // The forward runs: its own threads are awake, nothing to send.
+                    assert!(!waker.wake_at(now + 2 * spin));
+                    (0..20_000u64).into_par_iter().sum::<u64>()
+                });
+                assert_eq!(sum, (0..20_000u64).sum::<u64>());
+                now += spin;
+            }
+            drop(pool);
+            assert!(
+                !waker.wake_at(now + spin),
+                "a pool that is gone is not woken"
+            );
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn a_woken_thread_stops_looking_for_work_when_a_forward_runs_or_its_time_is_up() {
+        let state = PoolState::default();
+        state.running.store(true, Ordering::Release);
+        // Taken inside a forward (by a thread waiting in a join), it must return at once to let the join end.
+        let started = Instant::now();
+        look_for_work_until_a_forward(&state);
+        assert!(started.elapsed() < WAKE_SPIN);
+        state.running.store(false, Ordering::Release);
+        let started = Instant::now();
+        look_for_work_until_a_forward(&state);
+        assert!(started.elapsed() >= WAKE_SPIN);
+    }
 
     #[test]
     fn regions_started_from_many_threads_at_once_all_finish_with_their_results() {

@@ -21,7 +21,7 @@
 //! caches may be half-updated), and the thread goes on serving. The thread ends when every handle is dropped and
 //! the queue is empty.
 use crate::compute::gathering::Gathering;
-use crate::compute::pool::OwnPool;
+use crate::compute::pool::{OwnPool, PoolWaker};
 use crate::compute::span::{BatchStep, BlockSpan, SpanCache};
 use crate::error::ModelError;
 use candle_core::Tensor;
@@ -29,7 +29,8 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
-use std::sync::{mpsc, Arc};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
@@ -121,9 +122,11 @@ impl SchedulerBuilder {
     /// Starts the scheduler's thread.
     pub fn start(self) -> Result<SpanScheduler, SchedulerError> {
         let (tx, rx) = mpsc::channel();
+        let ahead = Arc::new(WakeAhead::default());
         let actor = Actor {
             span: self.span.clone(),
             rx,
+            ahead: ahead.clone(),
             max_rows: self.max_rows,
             observer: self.observer,
             gathering: Gathering::new(MAX_GATHER, self.gather_limit),
@@ -136,6 +139,7 @@ impl SchedulerBuilder {
         Ok(SpanScheduler {
             span: self.span,
             tx,
+            ahead,
         })
     }
 }
@@ -146,6 +150,19 @@ impl SchedulerBuilder {
 pub struct SpanScheduler {
     span: Arc<BlockSpan>,
     tx: mpsc::Sender<Message>,
+    ahead: Arc<WakeAhead>,
+}
+
+/// Wakes a span's compute pool when a step is queued, while the scheduler's thread wakes, rather than after it: in
+/// a chain every hop's first block otherwise waits for the second wake-up. Only when the batch will start at once:
+/// one that waits for other sessions first ([`Gathering`]) would find the pool asleep again, and its threads would
+/// have spun meanwhile on cores that those sessions' steps need.
+#[derive(Default)]
+struct WakeAhead {
+    /// Set by the scheduler's thread once its pool runs (never on a GPU, which has no pool).
+    waker: OnceLock<PoolWaker>,
+    /// Whether the next batch runs without waiting for anyone ([`Gathering::one_caller`]).
+    next_runs_at_once: AtomicBool,
 }
 
 impl SpanScheduler {
@@ -204,6 +221,11 @@ impl SpanScheduler {
     }
 
     fn send(&self, message: Message) -> Result<(), ()> {
+        if let Some(waker) = self.ahead.waker.get() {
+            if self.ahead.next_runs_at_once.load(Ordering::Relaxed) {
+                let _ = waker.wake();
+            }
+        }
         self.tx.send(message).map_err(|_| {
             tracing::error!(span = %self.span.range(), "the span scheduler's thread is gone");
         })
@@ -276,6 +298,7 @@ impl Job {
 struct Actor {
     span: Arc<BlockSpan>,
     rx: mpsc::Receiver<Message>,
+    ahead: Arc<WakeAhead>,
     max_rows: usize,
     observer: Option<BatchObserver>,
     /// Whom a batch waits for, by session ([`SpanCache::id`]).
@@ -291,6 +314,10 @@ impl Actor {
             &self.span.input_placement().device,
             &format!("petal-compute-{}", self.span.range()),
         );
+        if let Some(waker) = pool.waker() {
+            let _ = self.ahead.waker.set(waker);
+        }
+        self.ahead.next_runs_at_once.store(true, Ordering::Relaxed);
         loop {
             if self.pending.is_empty() {
                 match self.rx.recv() {
@@ -309,6 +336,9 @@ impl Actor {
                 let sessions = batch.iter().map(|j| j.step.cache.id()).collect();
                 let info = self.run_batch(&pool, batch, gathered);
                 self.gathering.ran(sessions, info.compute);
+                self.ahead
+                    .next_runs_at_once
+                    .store(self.gathering.one_caller(), Ordering::Relaxed);
             }
         }
         tracing::debug!(span = %self.span.range(), "span scheduler stopped");
