@@ -63,9 +63,9 @@ pub fn on_compute_pool<R: Send>(device: &Device, f: impl FnOnce() -> R + Send) -
 /// two thread wake-ups per batch (some 50 us each on a virtual machine, on every hop of a chain). Kernels called
 /// inside take this pool's threads (rayon's calls use the pool of the thread they run on).
 pub struct OwnPool {
-    /// `None` off the CPU, or when the pool could not start: forwards then go through [`on_compute_pool`].
-    pool: Option<Arc<rayon::ThreadPool>>,
-    state: Arc<PoolState>,
+    /// The pool and what it shares with its wakers; `None` off the CPU, or when the pool could not start:
+    /// forwards then go through [`on_compute_pool`].
+    pool: Option<(Arc<rayon::ThreadPool>, Arc<PoolState>)>,
 }
 
 /// What an [`OwnPool`] shares with its [`PoolWaker`]s.
@@ -92,25 +92,20 @@ impl OwnPool {
     /// included, when `device` is the CPU.
     pub fn on_this_thread(device: &Device, name: &str) -> Self {
         if !device.is_cpu() || rayon::current_thread_index().is_some() {
-            return Self {
-                pool: None,
-                state: Arc::default(),
-            };
+            return Self { pool: None };
         }
         let prefix = name.to_string();
         let pool = rayon::ThreadPoolBuilder::new()
             .thread_name(move |i| format!("{prefix}-{i}"))
             .use_current_thread()
             .build();
-        let state = Arc::default();
         match pool {
             Ok(pool) => Self {
-                pool: Some(Arc::new(pool)),
-                state,
+                pool: Some((Arc::new(pool), Arc::default())),
             },
             Err(e) => {
                 tracing::warn!(error = %e, "cannot start a compute pool; the shared one serves instead");
-                Self { pool: None, state }
+                Self { pool: None }
             }
         }
     }
@@ -119,9 +114,9 @@ impl OwnPool {
     pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         match &self.pool {
             // On a thread of the pool, a scope runs its body right here.
-            Some(_) => {
-                self.state.running.store(true, Ordering::Release);
-                let _running = SetOnDrop(&self.state.running, false);
+            Some((_, state)) => {
+                state.running.store(true, Ordering::Release);
+                let _running = SetOnDrop(&state.running, false);
                 awake_scope(f)
             }
             None => f(),
@@ -131,9 +126,9 @@ impl OwnPool {
     /// A handle other threads use to wake this pool's threads ahead of a forward; `None` for a pool that is not
     /// this thread's own (off the CPU), where there is nothing to wake.
     pub fn waker(&self) -> Option<PoolWaker> {
-        self.pool.as_ref().map(|pool| PoolWaker {
+        self.pool.as_ref().map(|(pool, state)| PoolWaker {
             pool: Arc::downgrade(pool),
-            state: self.state.clone(),
+            state: state.clone(),
         })
     }
 }
