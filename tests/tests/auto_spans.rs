@@ -199,14 +199,17 @@ fn a_move_drains_live_sessions_and_their_clients_replay_elsewhere() {
         .max_new_tokens(400)
         .ignore_eos()
         .run_json();
-    let (mut client, hops) = swarm
+    let generate = swarm
         .generate(&model, prompt)
         .max_new_tokens(400)
         .ignore_eos()
-        .args(&["--verify", "off"])
-        .spawn_routed("generate");
+        .args(&["--verify", "off"]);
+    let (undisturbed, tokens) = generate.time_routed("undisturbed");
+    assert_eq!(tokens, local.tokens, "undisturbed run");
+    let (mut client, hops) = generate.spawn_routed("generate");
     assert_eq!(hops, ["node1", "node2"], "the fast chain is taken");
-    std::thread::sleep(Duration::from_millis(300));
+    // A quarter of the way in: 3..5 is then lost while the session on node1's 0..3 still has most tokens to go.
+    std::thread::sleep(undisturbed / 4);
     swarm.kill("node2");
 
     let (v, tokens) = spawned_json(&mut client, Duration::from_secs(120));

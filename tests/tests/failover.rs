@@ -91,19 +91,12 @@ fn kill_9_mid_generation_ten_times() {
 
     // The kill points are fractions of an undisturbed routed generation timed here, from its session opening to
     // its end: fixed delays stopped landing mid-generation once decoding got faster than they assumed.
-    let (mut client, _) = swarm
+    let (generation, tokens) = swarm
         .generate(&model, prompt)
         .max_new_tokens(64)
         .ignore_eos()
-        .spawn_routed("undisturbed");
-    let opened = std::time::Instant::now();
-    let (_, tokens) = spawned_json(&mut client, Duration::from_secs(120));
-    assert_eq!(tokens, local.tokens, "undisturbed run\n{}", client.report());
-    let generation = opened.elapsed();
-    eprintln!(
-        "undisturbed generation: {} ms after the session opened",
-        generation.as_millis()
-    );
+        .time_routed("undisturbed");
+    assert_eq!(tokens, local.tokens, "undisturbed run");
 
     let mut failover_ms = vec![];
     for run in 0..RUNS {

@@ -76,14 +76,17 @@ fn killing_the_middle_server_mid_generation_falls_back_to_the_client() {
         .max_new_tokens(160)
         .ignore_eos()
         .run_json();
-    let (mut client, hops) = swarm
+    let generate = swarm
         .generate(&model, prompt)
         .max_new_tokens(160)
         .ignore_eos()
-        .args(&["--verify", "off"])
-        .spawn_routed("generate");
+        .args(&["--verify", "off"]);
+    let (undisturbed, tokens) = generate.time_routed("undisturbed");
+    assert_eq!(tokens, local.tokens, "undisturbed run");
+    let (mut client, hops) = generate.spawn_routed("generate");
     assert_eq!(hops.len(), 3, "unexpected route {hops:?}");
-    std::thread::sleep(Duration::from_millis(400));
+    // A quarter of the way in, so that pushed steps come both before and after the failover.
+    std::thread::sleep(undisturbed / 4);
     swarm.kill(&hops[1]);
 
     let (v, tokens) = spawned_json(&mut client, Duration::from_secs(120));
