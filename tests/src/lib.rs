@@ -836,19 +836,26 @@ impl Generate {
         (client, hops)
     }
 
-    /// Runs it undisturbed in the background ([`Generate::spawn_routed`]) and returns how long it took from its
-    /// session opening to its JSON line, with its tokens. Tests that kill a hop mid-generation place the kill at a
-    /// fraction of this: a fixed delay stops landing mid-generation once decoding gets faster than it assumed.
-    pub fn time_routed(&self, name: &str) -> (Duration, Vec<u32>) {
+    /// Runs it undisturbed in the background ([`Generate::spawn_routed`]), checks that it gives `expected`, and
+    /// returns how long it took from its session opening to its JSON line. Tests that kill a hop mid-generation
+    /// place the kill at a fraction of this: a fixed delay stops landing mid-generation once decoding gets faster
+    /// than it assumed.
+    pub fn time_routed(&self, name: &str, expected: &[u32]) -> Duration {
         let (mut client, _) = self.spawn_routed(name);
         let opened = Instant::now();
         let (_, tokens) = spawned_json(&mut client, Duration::from_secs(120));
         let took = opened.elapsed();
+        assert_eq!(
+            tokens,
+            expected,
+            "{name}: undisturbed run\n{}",
+            client.report()
+        );
         eprintln!(
             "{name}: undisturbed generation {} ms after its session opened",
             took.as_millis()
         );
-        (took, tokens)
+        took
     }
 
     /// Runs it, whatever the outcome.
