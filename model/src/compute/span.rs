@@ -1,6 +1,7 @@
 //! A contiguous span of blocks as a node serves it, and the per-session state that goes with it.
 use crate::compute::block::{Block, BlockStep, KvCache, Rope, RopeParams};
 use crate::compute::block_range::BlockRange;
+use crate::compute::lanes;
 use crate::compute::placement::Placement;
 use crate::compute::pool::on_compute_pool;
 use crate::compute::spec::ModelSpec;
@@ -168,8 +169,57 @@ impl BlockSpan {
         on_compute_pool(&self.input_placement().device, || self.forward_here(steps))
     }
 
-    /// [`Self::forward_batch`] on the calling thread.
+    /// How many [`lanes`] a batch of `rows` rows in `sessions` sessions goes through, on the compute pool of the
+    /// calling thread (rayon's shared pool outside any): one off the CPU, where a device's kernels take the whole
+    /// batch in one launch.
+    pub fn lanes(&self, rows: usize, sessions: usize) -> usize {
+        if !self.blocks.iter().all(|b| b.placement().device.is_cpu()) {
+            return 1;
+        }
+        lanes::count(rows, sessions, rayon::current_num_threads())
+    }
+
+    /// [`Self::forward_batch`] from a thread of the compute pool: on the CPU, in [`lanes`] when the batch is big
+    /// enough.
     fn forward_here(&self, steps: &mut [BatchStep<'_>]) -> Vec<Result<Tensor>> {
+        let rows: Vec<usize> = steps
+            .iter()
+            .map(|s| s.hidden.dims().iter().take(2).product::<usize>())
+            .collect();
+        let lanes = self.lanes(rows.iter().sum(), steps.len());
+        let _span = tracing::trace_span!(
+            "span_forward",
+            sessions = steps.len(),
+            rows = rows.iter().sum::<usize>(),
+            lanes
+        )
+        .entered();
+        self.forward_lanes(steps, &rows, lanes)
+    }
+
+    /// `steps` (of `rows` rows each) cut into `lanes` lanes, the two halves of each cut on two threads of the pool.
+    fn forward_lanes(
+        &self,
+        steps: &mut [BatchStep<'_>],
+        rows: &[usize],
+        lanes: usize,
+    ) -> Vec<Result<Tensor>> {
+        let at = lanes::cut(rows, lanes / 2, lanes);
+        if lanes < 2 || at == 0 {
+            return self.forward_lane(steps);
+        }
+        let (left, right) = steps.split_at_mut(at);
+        let (left_rows, right_rows) = rows.split_at(at);
+        let (mut out, right) = rayon::join(
+            || self.forward_lanes(left, left_rows, lanes / 2),
+            || self.forward_lanes(right, right_rows, lanes - lanes / 2),
+        );
+        out.extend(right);
+        out
+    }
+
+    /// Steps through every block as one batch, on the calling thread (its ops in parallel on the pool).
+    fn forward_lane(&self, steps: &mut [BatchStep<'_>]) -> Vec<Result<Tensor>> {
         let mut results: Vec<Result<Tensor>> = steps
             .iter()
             .map(|s| {
@@ -177,11 +227,6 @@ impl BlockSpan {
                     .map(|()| s.hidden.clone())
             })
             .collect();
-        let rows: usize = steps
-            .iter()
-            .map(|s| s.hidden.dims().iter().take(2).product::<usize>())
-            .sum();
-        let _span = tracing::trace_span!("span_forward", sessions = steps.len(), rows).entered();
         for block in &self.blocks {
             let i = block.index();
             // The steps still running whose sessions include this block.
