@@ -1,5 +1,6 @@
 //! A CPU batch big enough to go through the span in lanes (its sessions split between the pool's threads) gives
-//! every session what it gives alone, bit for bit, and a bad step in a lane fails alone.
+//! every session what it gives alone, bit for bit, and a bad step in a lane fails alone: whether its sessions all
+//! take the whole span (their rows then stay joined from block to block) or some take only part of it.
 mod common;
 
 use candle_core::{DType, Tensor};
@@ -20,7 +21,8 @@ fn bits(t: &Tensor) -> Vec<u32> {
         .collect()
 }
 
-fn batch_in_lanes_equals_each_step_alone(kv: Option<DType>) {
+/// Sixteen sessions, session `i` over `ranges[i % ranges.len()]` of the span.
+fn batch_in_lanes_equals_each_step_alone(kv: Option<DType>, ranges: &[(usize, usize)]) {
     let source = ModelSource::open(smollm_gguf()).unwrap();
     let head = source.load_head(Placement::cpu_f32()).unwrap();
     let range = BlockRange::new(0, source.spec().num_blocks);
@@ -43,8 +45,10 @@ fn batch_in_lanes_equals_each_step_alone(kv: Option<DType>) {
     let prefilled = || -> Vec<SpanCache> {
         prompts
             .iter()
-            .map(|p| {
-                let mut c = span.new_cache(span.range(), 64).unwrap();
+            .enumerate()
+            .map(|(i, p)| {
+                let (first, last) = ranges[i % ranges.len()];
+                let mut c = span.new_cache(BlockRange::new(first, last), 64).unwrap();
                 span.forward(&head.embed(p).unwrap(), 0, &mut c).unwrap();
                 c
             })
@@ -108,12 +112,21 @@ fn batch_in_lanes_equals_each_step_alone(kv: Option<DType>) {
     }
 }
 
+const WHOLE: [(usize, usize); 1] = [(0, 30)];
+/// Whole and partial: lanes in which the rows cannot stay joined.
+const PARTS: [(usize, usize); 4] = [(0, 30), (0, 10), (10, 30), (5, 25)];
+
 #[test]
 fn a_batch_in_lanes_equals_each_step_alone_on_f32_caches() {
-    batch_in_lanes_equals_each_step_alone(None);
+    batch_in_lanes_equals_each_step_alone(None, &WHOLE);
 }
 
 #[test]
 fn a_batch_in_lanes_equals_each_step_alone_on_f16_caches() {
-    batch_in_lanes_equals_each_step_alone(Some(DType::F16));
+    batch_in_lanes_equals_each_step_alone(Some(DType::F16), &WHOLE);
+}
+
+#[test]
+fn sessions_of_parts_of_the_span_batched_in_lanes_equal_each_alone() {
+    batch_in_lanes_equals_each_step_alone(Some(DType::F16), &PARTS);
 }

@@ -1,5 +1,7 @@
 //! A contiguous span of blocks as a node serves it, and the per-session state that goes with it.
-use crate::compute::block::{Block, BlockStep, KvCache, Rope, RopeParams};
+use crate::compute::block::{
+    join_rows, session_rows, split_rows, Block, BlockStep, KvCache, Rope, RopeParams,
+};
 use crate::compute::block_range::BlockRange;
 use crate::compute::lanes;
 use crate::compute::placement::Placement;
@@ -227,6 +229,65 @@ impl BlockSpan {
                     .map(|()| s.hidden.clone())
             })
             .collect();
+        let live: Vec<usize> = (0..steps.len()).filter(|&s| results[s].is_ok()).collect();
+        if live.is_empty() {
+            return results;
+        }
+        // `check` let through only sessions within this span: those that take all of it can stay together.
+        if live.iter().all(|&s| steps[s].cache.range == self.range) {
+            self.forward_together(steps, &live, &mut results);
+        } else {
+            self.forward_block_by_block(steps, &mut results);
+        }
+        for (s, r) in steps.iter_mut().zip(&results) {
+            if r.is_ok() {
+                s.cache.position += s.hidden.dims()[1];
+            }
+        }
+        results
+    }
+
+    /// The `live` steps, which all take every block: their rows joined once into one `[1, rows, hidden]`
+    /// sequence, through every block ([`Block::forward_rows`]), and split once at the end, where joining and
+    /// splitting them at each block is some 65 tensor ops a block for sixteen sessions (a 16-session batch took
+    /// 0.2-3.5% longer that way in six runs that alternated the two batch by batch).
+    fn forward_together(
+        &self,
+        steps: &mut [BatchStep<'_>],
+        live: &[usize],
+        results: &mut [Result<Tensor>],
+    ) {
+        let outcome = (|| {
+            let inputs = live.iter().filter_map(|&s| results[s].as_ref().ok());
+            let (mut x, shapes) = join_rows(inputs, self.input_placement())
+                .map_err(|e| format!("span input: {e}"))?;
+            let positions: Vec<usize> = live.iter().map(|&s| steps[s].position).collect();
+            for block in &self.blocks {
+                let i = block.index();
+                let mut sessions = session_rows(&shapes, &positions, caches_at(steps, live, i));
+                x = block
+                    .forward_rows(&x, &mut sessions)
+                    .map_err(|e| format!("block {i}: {e}"))?;
+            }
+            split_rows(&x, &shapes).map_err(|e| format!("span output: {e}"))
+        })();
+        match outcome {
+            Ok(outs) => {
+                for (&s, out) in live.iter().zip(outs) {
+                    results[s] = Ok(out);
+                }
+            }
+            Err(e) => {
+                for &s in live {
+                    results[s] = Err(ModelError::Config(e.clone()));
+                }
+            }
+        }
+    }
+
+    /// Block after block, each block taking the steps whose sessions include it (sessions of sub-ranges of the
+    /// span).
+    fn forward_block_by_block(&self, steps: &mut [BatchStep<'_>], results: &mut [Result<Tensor>]) {
         for block in &self.blocks {
             let i = block.index();
             // The steps still running whose sessions include this block.
@@ -262,12 +323,6 @@ impl BlockSpan {
                 }
             }
         }
-        for (s, r) in steps.iter_mut().zip(&results) {
-            if r.is_ok() {
-                s.cache.position += s.hidden.dims()[1];
-            }
-        }
-        results
     }
 
     /// Everything checked before a step computes.

@@ -249,40 +249,26 @@ impl Block {
     /// the cache and attention are per session. Returns each step's output, in order; a row's result does not
     /// depend on the other rows.
     pub fn forward_batch(&self, steps: &mut [BlockStep<'_>]) -> Result<Vec<Tensor>> {
+        let (x, shapes) = join_rows(steps.iter().map(|s| &s.hidden), &self.placement)?;
+        let positions: Vec<usize> = steps.iter().map(|s| s.position).collect();
+        let caches = steps.iter_mut().map(|s| &mut *s.cache);
+        let x = self.forward_rows(&x, &mut session_rows(&shapes, &positions, caches))?;
+        split_rows(&x, &shapes)
+    }
+
+    /// The rows of several sessions side by side, `[1, rows, hidden]`, each session's where `sessions` says,
+    /// through this block: [`Self::forward_batch`] for a caller that keeps the rows together from one block to the
+    /// next (a span whose sessions all take all its blocks).
+    pub(crate) fn forward_rows(
+        &self,
+        x: &Tensor,
+        sessions: &mut [SessionRows<'_>],
+    ) -> Result<Tensor> {
         let _span =
-            tracing::trace_span!("block", index = self.index, sessions = steps.len()).entered();
-        // Rows of every step side by side as one `[1, rows, hidden]` sequence: the shape a lone step has, so
-        // quantized matmuls take the same kernels batched or not.
-        let mut rows = Vec::with_capacity(steps.len());
-        let mut shapes = Vec::with_capacity(steps.len());
-        for s in steps.iter() {
-            let (b, t, h) = s.hidden.dims3()?;
-            rows.push(normalise(&s.hidden, &self.placement)?.reshape((1, b * t, h))?);
-            shapes.push((b, t, h));
-        }
-        let x = if rows.len() == 1 {
-            rows.remove(0)
-        } else {
-            Tensor::cat(&rows, 1)?
-        };
+            tracing::trace_span!("block", index = self.index, sessions = sessions.len()).entered();
+        let x = normalise(x, &self.placement)?;
         let projected = self.attn.project(&self.attn_norm.forward(&x)?)?;
-        let mut start = 0;
-        let mut sessions: Vec<SessionRows> = steps
-            .iter_mut()
-            .zip(&shapes)
-            .map(|(s, &(batch, tokens, _))| {
-                let rows = SessionRows {
-                    start,
-                    batch,
-                    tokens,
-                    position: s.position,
-                    cache: s.cache,
-                };
-                start += batch * tokens;
-                rows
-            })
-            .collect();
-        let y = self.attn.attend_all(&projected, &mut sessions)?;
+        let y = self.attn.attend_all(&projected, sessions)?;
         let y = self.attn.output(&y)?;
         let y = match &self.post_attn_norm {
             Some(n) => n.forward(&y)?,
@@ -294,17 +280,71 @@ impl Block {
             Some(n) => n.forward(&y)?,
             None => y,
         };
-        let x = (y + x)?;
-        let mut start = 0;
-        shapes
-            .into_iter()
-            .map(|(b, t, h)| {
-                let out = x.narrow(1, start, b * t)?.reshape((b, t, h))?;
-                start += b * t;
-                Ok(out)
-            })
-            .collect()
+        Ok((y + x)?)
     }
+}
+
+/// A step's `(batch, tokens, hidden)`.
+pub(crate) type StepShape = (usize, usize, usize);
+
+/// Steps' hidden states (`[batch, tokens, hidden]` each) side by side as one `[1, rows, hidden]` sequence on
+/// `placement`, the shape a lone step has, so that quantized matmuls take the same kernels batched or not; and
+/// each step's shape, for [`split_rows`].
+pub(crate) fn join_rows<'t>(
+    hidden: impl IntoIterator<Item = &'t Tensor>,
+    placement: &Placement,
+) -> Result<(Tensor, Vec<StepShape>)> {
+    let mut rows = vec![];
+    let mut shapes = vec![];
+    for x in hidden {
+        let (b, t, h) = x.dims3()?;
+        rows.push(normalise(x, placement)?.reshape((1, b * t, h))?);
+        shapes.push((b, t, h));
+    }
+    let x = if rows.len() == 1 {
+        rows.remove(0)
+    } else {
+        Tensor::cat(&rows, 1)?
+    };
+    Ok((x, shapes))
+}
+
+/// Each step's rows of `x` ([`join_rows`]'s sequence, or a block's output for it) in its own shape again.
+pub(crate) fn split_rows(x: &Tensor, shapes: &[StepShape]) -> Result<Vec<Tensor>> {
+    let mut start = 0;
+    shapes
+        .iter()
+        .map(|&(b, t, h)| {
+            let out = x.narrow(1, start, b * t)?.reshape((b, t, h))?;
+            start += b * t;
+            Ok(out)
+        })
+        .collect()
+}
+
+/// Where each step's rows are in [`join_rows`]'s sequence, with its position and its cache for this block.
+pub(crate) fn session_rows<'c>(
+    shapes: &[StepShape],
+    positions: &[usize],
+    caches: impl IntoIterator<Item = &'c mut KvCache>,
+) -> Vec<SessionRows<'c>> {
+    let mut start = 0;
+    caches
+        .into_iter()
+        .zip(shapes)
+        .zip(positions)
+        .map(|((cache, &(batch, tokens, _)), &position)| {
+            let rows = SessionRows {
+                start,
+                batch,
+                tokens,
+                position,
+                cache,
+            };
+            start += batch * tokens;
+            rows
+        })
+        .collect()
 }
 
 /// One session's step through a block: hidden states `[batch, tokens, hidden]` at `position`, and its cache.
