@@ -11,7 +11,7 @@
 //! A row's result does not depend on the rows beside it (every kernel gives a tile's rows the same result bit for
 //! bit, and attention is per session), so how a batch is split changes no output.
 
-/// Rows a lane needs at least. Measured on a 2-vCPU Emerald Rapids-class Xeon (AVX-512 VNNI, no AMX exposed):
+/// Rows each of the pool's threads needs before a batch goes in lanes, one a thread. Measured on a 2-vCPU Emerald Rapids-class Xeon (AVX-512 VNNI, no AMX exposed):
 /// SmolLM2's 120 block matmuls as two streams of `m / 2` rows, one per thread, against one stream of `m` rows on
 /// both threads: `m` = 32 1.27x, 16 1.17-1.29x, 12 1.12x faster; 8 and 6 level (0.99x, 0.97x); 4 and 2 0.79x and
 /// 0.81x. The whole node (`petal-bench compare`, f16 cache), eight sessions in two lanes of four against one batch:
@@ -19,9 +19,15 @@
 pub(crate) const MIN_ROWS: usize = 6;
 
 /// How many lanes a batch of `rows` rows in `sessions` sessions takes on a pool of `threads` threads: one per
-/// thread at most, one per session at most (a session's rows share its cache), and at least [`MIN_ROWS`] rows each.
+/// thread (at most one per session: a session's rows share its cache) once there are [`MIN_ROWS`] rows for each
+/// thread, else one. Each lane then has a thread and at least the rows measured to gain; with fewer rows a thread,
+/// each lane's pass over the weights would be shared by too few rows (untested beyond two threads, so not risked).
 pub(crate) fn count(rows: usize, sessions: usize, threads: usize) -> usize {
-    threads.min(sessions).min(rows / MIN_ROWS).max(1)
+    if threads >= 2 && rows >= MIN_ROWS * threads {
+        threads.min(sessions).max(1)
+    } else {
+        1
+    }
 }
 
 /// Where to cut steps of `rows` rows each so that the first part, for `first` of `lanes` lanes, holds the nearest
@@ -54,9 +60,11 @@ mod tests {
     #[test]
     fn lanes_need_threads_sessions_and_rows() {
         assert_eq!(count(16, 16, 2), 2);
-        assert_eq!(count(16, 16, 16), 2, "six rows a lane at least");
-        assert_eq!(count(11, 11, 2), 1);
         assert_eq!(count(12, 12, 2), 2);
+        assert_eq!(count(11, 11, 2), 1, "six rows a thread at least");
+        assert_eq!(count(16, 16, 16), 1, "six rows a thread at least");
+        assert_eq!(count(96, 96, 16), 16);
+        assert_eq!(count(400, 4, 16), 4, "one lane a session at most");
         assert_eq!(count(512, 1, 8), 1, "one session's rows stay together");
         assert_eq!(count(64, 16, 1), 1);
         assert_eq!(count(0, 0, 4), 1);
