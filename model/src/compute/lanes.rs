@@ -11,11 +11,12 @@
 //! A row's result does not depend on the rows beside it (every kernel gives a tile's rows the same result bit for
 //! bit, and attention is per session), so how a batch is split changes no output.
 
-/// Rows each of the pool's threads needs before a batch goes in lanes, one a thread. Measured on a 2-vCPU Emerald Rapids-class Xeon (AVX-512 VNNI, no AMX exposed):
-/// SmolLM2's 120 block matmuls as two streams of `m / 2` rows, one per thread, against one stream of `m` rows on
-/// both threads: `m` = 32 1.27x, 16 1.17-1.29x, 12 1.12x faster; 8 and 6 level (0.99x, 0.97x); 4 and 2 0.79x and
-/// 0.81x. The whole node (`petal-bench compare`, f16 cache), eight sessions in two lanes of four against one batch:
-/// 7.5-8.2 ms a batch against 7.4; twelve in two lanes of six: 9.5-10.3 against 10.4-10.6.
+/// Rows each of the pool's threads needs before a batch goes in lanes, one a thread. Measured on a 2-vCPU Emerald
+/// Rapids-class Xeon (AVX-512 VNNI, no AMX exposed): SmolLM2's 120 block matmuls as two streams of `m / 2` rows,
+/// one per thread, against one stream of `m` rows on both threads: `m` = 32 1.27x, 16 1.17-1.29x, 12 1.12x faster;
+/// 8 and 6 level (0.99x, 0.97x); 4 and 2 0.79x and 0.81x. The whole node (`petal-bench compare`, f16 cache), eight
+/// sessions in two lanes of four against one batch: 7.5-8.2 ms a batch against 7.4; twelve in two lanes of six:
+/// 9.5-10.3 against 10.4-10.6.
 pub(crate) const MIN_ROWS: usize = 6;
 
 /// How many lanes a batch of `rows` rows in `sessions` sessions takes on a pool of `threads` threads: one per
