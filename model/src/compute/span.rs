@@ -188,14 +188,11 @@ impl BlockSpan {
             .iter()
             .map(|s| s.hidden.dims().iter().take(2).product::<usize>())
             .collect();
-        let lanes = self.lanes(rows.iter().sum(), steps.len());
-        let _span = tracing::trace_span!(
-            "span_forward",
-            sessions = steps.len(),
-            rows = rows.iter().sum::<usize>(),
-            lanes
-        )
-        .entered();
+        let total: usize = rows.iter().sum();
+        let lanes = self.lanes(total, steps.len());
+        let _span =
+            tracing::trace_span!("span_forward", sessions = steps.len(), rows = total, lanes)
+                .entered();
         self.forward_lanes(steps, &rows, lanes)
     }
 
@@ -206,8 +203,12 @@ impl BlockSpan {
         rows: &[usize],
         lanes: usize,
     ) -> Vec<Result<Tensor>> {
-        let at = lanes::cut(rows, lanes / 2, lanes);
-        if lanes < 2 || at == 0 {
+        let at = match lanes {
+            0 | 1 => 0,
+            _ => lanes::cut(rows, lanes / 2, lanes),
+        };
+        // `cut` gives 0 when there are fewer than two steps to share.
+        if at == 0 {
             return self.forward_lane(steps);
         }
         let (left, right) = steps.split_at_mut(at);
