@@ -46,6 +46,16 @@ fn batches(page: &str) -> (f64, f64) {
     (count, count - single)
 }
 
+/// A generator over the swarm that finds its servers within 10 s and never fails over (a failure is the test's).
+fn remote_generator(client: &SwarmClient, source: &ModelSource) -> Arc<Generator> {
+    let chain = ChainConfig {
+        discovery_timeout: Duration::from_secs(10),
+        failover_budget: Duration::ZERO,
+        ..ChainConfig::default()
+    };
+    Arc::new(Generator::remote(client, source, Placement::cpu_f32(), chain).expect("generator"))
+}
+
 #[test]
 fn concurrent_sessions_through_one_node_are_batched_and_match_each_run_alone() {
     let model = stories_bin();
@@ -79,14 +89,7 @@ fn concurrent_sessions_through_one_node_are_batched_and_match_each_run_alone() {
         let client = SwarmClient::connect(vec![bootstrap])
             .await
             .expect("client");
-        let chain = ChainConfig {
-            discovery_timeout: Duration::from_secs(10),
-            failover_budget: Duration::ZERO,
-            ..ChainConfig::default()
-        };
-        let generator = Arc::new(
-            Generator::remote(&client, &source, Placement::cpu_f32(), chain).expect("generator"),
-        );
+        let generator = remote_generator(&client, &source);
 
         // Each session alone, one after the other.
         let mut alone = vec![];
@@ -133,5 +136,61 @@ fn concurrent_sessions_through_one_node_are_batched_and_match_each_run_alone() {
             after - before < (SESSIONS * NEW_TOKENS) as f64,
             "concurrent steps should take fewer batches than steps"
         );
+    });
+}
+
+/// Sixteen sessions opened at the same moment by a client that is connected to nothing but the bootstrap peer yet
+/// (an API server whose first users all arrive at once): every one opens its streams on a route of two nodes, the
+/// dials to each node are shared rather than aborting one another, and each session generates what it generates
+/// alone.
+#[test]
+fn sessions_opened_at_once_by_a_fresh_client_all_open() {
+    const AT_ONCE: usize = 16;
+    let model = stories_bin();
+    let swarm = Swarm::builder()
+        .node(&model, "0..3")
+        .node(&model, "3..5")
+        .start();
+    let bootstrap: petal_p2p::Multiaddr = swarm.bootstrap_addr.parse().expect("bootstrap address");
+    let source = ModelSource::open(&model).expect("model");
+    let vocab = source.spec().vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..AT_ONCE as u32)
+        .map(|i| (0..=i % 5).map(|k| (i * 31 + k * 11 + 5) % vocab).collect())
+        .collect();
+    let config = GenerationConfig {
+        max_new_tokens: 4,
+        ignore_eos: true,
+        ..GenerationConfig::default()
+    };
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let client = SwarmClient::connect(vec![bootstrap]).await.expect("client");
+        let generator = remote_generator(&client, &source);
+        let tasks: Vec<_> = prompts
+            .iter()
+            .cloned()
+            .map(|prompt| {
+                let (generator, config) = (generator.clone(), config.clone());
+                tokio::spawn(async move { generator.generate_ids(&prompt, &config).await })
+            })
+            .collect();
+        let mut together = vec![];
+        for (i, task) in tasks.into_iter().enumerate() {
+            let done = task
+                .await
+                .expect("task")
+                .unwrap_or_else(|e| panic!("session {i} of {AT_ONCE} opened at once: {e}"));
+            together.push(done.sampled);
+        }
+        for (i, (prompt, together)) in prompts.iter().zip(&together).enumerate() {
+            let alone = generator
+                .generate_ids(prompt, &config)
+                .await
+                .expect("lone generation");
+            assert_eq!(
+                &alone.sampled, together,
+                "session {i}: tokens differ from its lone run"
+            );
+        }
     });
 }

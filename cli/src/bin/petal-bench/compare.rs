@@ -471,20 +471,14 @@ async fn concurrent_sessions(
     vocab: usize,
 ) -> Result<(Vec<SessionRun>, Instant)> {
     let barrier = Arc::new(Barrier::new(n + 1));
-    // Sessions open one after another: opening 16 at once from one client to a node it has no connection to yet
-    // intermittently fails ("Dial error: Pending connection attempt has been aborted", then "no server covers
-    // blocks"). Only the decoding is measured, and it runs concurrently.
-    let opening = Arc::new(tokio::sync::Mutex::new(()));
+    // Sessions open and prefill at once, as an API server's first users would (tested in tests/batching.rs); only
+    // the decoding is measured.
     let prompts = prompt_ids(SESSION_PROMPT * n, vocab);
     let mut tasks = vec![];
     for prompt in prompts.chunks(SESSION_PROMPT) {
         let (generator, barrier, prompt) = (generator.clone(), barrier.clone(), prompt.to_vec());
-        let opening = opening.clone();
         tasks.push(tokio::spawn(async move {
-            let opened = {
-                let _turn = opening.lock().await;
-                open_prefilled(&generator, &prompt, tokens).await
-            };
+            let opened = open_prefilled(&generator, &prompt, tokens).await;
             // Every task reaches the barrier, failed or not, so none waits for ever.
             barrier.wait().await;
             let (mut session, logits) = opened?;
