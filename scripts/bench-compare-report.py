@@ -192,10 +192,18 @@ def rows(work, petal):
                            f"no llama-batched-bench result for 1 and {n} sequences", None))
 
     sw = petal["swarm"]
+    # The floor: the same spans chained over plain sockets, no libp2p (petal-bench's chain_floor), against a
+    # local loop with no hand-off: what this machine allows any chain.
+    floor = sw.get("floor")
+    floor_note = (f"floor on this machine (the same spans over plain loopback sockets, no libp2p): "
+                  f"{floor['ratio_to_local']:.3f} ({floor['chain_tokens_per_second']:.1f} vs "
+                  f"{floor['local_tokens_per_second']:.1f} tokens/s); petal's chain is "
+                  f"{sw['chain_tokens_per_second'] / floor['chain_tokens_per_second']:.3f}x the floor's chain"
+                  if floor else "")
     out.append(row(f"{sw['nodes']} nodes vs local (petal)", "tokens/s", sw["chain_tokens_per_second"],
                    sw["local_tokens_per_second"], "petal local", "higher", ">=", 0.95,
                    f"tg{sw['tokens']} through {', '.join(sw['spans'])} on loopback, alternated with local",
-                   runs=(sw["runs_chain"], sw["runs_local"])))
+                   floor_note, runs=(sw["runs_chain"], sw["runs_local"])))
     err = os.path.join(work, "llama-rpc.error")
     if os.path.exists(err):
         out.append(missing(f"{sw['nodes']} nodes vs llama.cpp RPC", "tokens/s", open(err).read().strip(), "> 1"))

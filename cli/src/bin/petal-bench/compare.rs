@@ -7,12 +7,14 @@
 //! - decode (tg128): single-token steps after a one-token prompt, as llama-bench's `tg` test starts from an
 //!   empty context; decode at depth D: steps after a D-token prefill (llama-bench `-d D`);
 //! - one node serving every block with S concurrent sessions against one session alone;
-//! - a chain of nodes on loopback against the same model in this process;
+//! - a chain of nodes on loopback against the same model in this process, and the same spans chained with none of
+//!   Petal's networking (`chain_floor`: what this machine allows a chain);
 //! - the peak resident size of a `petal-node serve` process holding every block, with no session open.
 //!
 //! Local runs go through [`Generator::local`], swarm runs through [`petal_cli::LocalSwarm`] and
 //! [`Generator::remote`]: the one decode loop's step, over either kind of blocks. Progress is logged with
 //! `tracing`; the JSON report goes to stdout.
+use crate::chain_floor;
 use crate::model::{prompt_ids, weights_bytes};
 use crate::report::{median, percentile_ms, round};
 use crate::runs::chain_config;
@@ -444,6 +446,21 @@ async fn measure_swarm(model: &Model, args: &CompareArgs) -> Result<Value> {
         "chain decode"
     );
     let list = |v: &[f64]| v.iter().map(|&r| round(r, 2)).collect::<Vec<_>>();
+    // The floor's nodes are plain threads on the CPU.
+    let floor = if model.span.device.is_cpu() {
+        let floor = measure_floor(model, &spans, &prompt, steps, args.repeats).await?;
+        let (l, c) = (median(&floor.local), median(&floor.chain));
+        tracing::info!(local = round(l, 2), chain = round(c, 2), "chain floor");
+        json!({
+            "local_tokens_per_second": round(l, 2),
+            "chain_tokens_per_second": round(c, 2),
+            "ratio_to_local": round(c / l.max(1e-9), 3),
+            "runs_local": list(&floor.local),
+            "runs_chain": list(&floor.chain),
+        })
+    } else {
+        Value::Null
+    };
     Ok(json!({
         "nodes": args.chain,
         "spans": spans.iter().map(ToString::to_string).collect::<Vec<_>>(),
@@ -453,7 +470,31 @@ async fn measure_swarm(model: &Model, args: &CompareArgs) -> Result<Value> {
         "ratio_to_local": round(c / l.max(1e-9), 3),
         "runs_local": list(&local_runs),
         "runs_chain": list(&chain_runs),
+        "floor": floor,
     }))
+}
+
+/// [`chain_floor::measure`] for the swarm row's spans and decode, off the async runtime.
+async fn measure_floor(
+    model: &Model,
+    spans: &[BlockRange],
+    prompt: &[u32],
+    steps: usize,
+    repeats: usize,
+) -> Result<chain_floor::Floor> {
+    let (path, kv, spans, prompt) = (
+        model.path.clone(),
+        model.kv_dtype,
+        spans.to_vec(),
+        prompt.to_vec(),
+    );
+    let threads = rayon::current_num_threads();
+    tokio::task::spawn_blocking(move || {
+        let source = ModelSource::open(&path)?;
+        chain_floor::measure(&source, kv, &spans, &prompt, steps, repeats, threads)
+    })
+    .await
+    .context("the chain floor's thread panicked")?
 }
 
 /// One session's decode in the concurrent test: the steps, and when its decoding started and ended.
