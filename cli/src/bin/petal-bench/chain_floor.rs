@@ -92,7 +92,25 @@ fn span(
 /// Tokens per second of one run, and the tokens it sampled.
 type Run = (f64, Vec<u32>);
 
-/// Greedy decoding of `steps` tokens after `prompt`, every block on this thread inside `pool`.
+/// Greedy decoding of `steps` tokens after `prompt`, `through` taking embeddings at a position to the last
+/// block's output: the loop local and the chain's client share, timed from the first decode step.
+fn greedy(
+    head: &Head,
+    prompt: &[u32],
+    steps: usize,
+    mut through: impl FnMut(&Tensor, usize) -> Result<Tensor>,
+) -> Result<Run> {
+    let h = through(&head.embed(prompt)?, 0)?;
+    let mut tokens = vec![argmax(&head.logits(&h)?)?];
+    let start = Instant::now();
+    for i in 0..steps {
+        let h = through(&head.embed(&tokens[i..=i])?, prompt.len() + i)?;
+        tokens.push(argmax(&head.logits(&h)?)?);
+    }
+    Ok((steps as f64 / start.elapsed().as_secs_f64(), tokens))
+}
+
+/// [`greedy`] with every block on this thread inside `pool`.
 fn local(
     head: &Head,
     full: &BlockSpan,
@@ -102,26 +120,20 @@ fn local(
 ) -> Result<Run> {
     pool.install(|| {
         let mut cache = full.new_cache(full.range(), prompt.len() + steps)?;
-        let h = full.forward(&head.embed(prompt)?, 0, &mut cache)?;
-        let mut tokens = vec![argmax(&head.logits(&h)?)?];
-        let start = Instant::now();
-        for i in 0..steps {
-            let h = full.forward(&head.embed(&tokens[i..=i])?, prompt.len() + i, &mut cache)?;
-            tokens.push(argmax(&head.logits(&h)?)?);
-        }
-        Ok((steps as f64 / start.elapsed().as_secs_f64(), tokens))
+        greedy(head, prompt, steps, |x, position| {
+            Ok(full.forward(x, position, &mut cache)?)
+        })
     })
 }
 
-/// The same through `spans`, each a node thread as described above.
+/// [`greedy`] through `spans`, each a node thread as described above, taking rows of `hidden` values.
 fn chain(
     head: &Head,
     spans: &[BlockSpan],
-    threads: usize,
+    (threads, hidden): (usize, usize),
     prompt: &[u32],
     steps: usize,
 ) -> Result<Run> {
-    let hidden = head_hidden(head, prompt)?;
     let (mut to_first, first_in) = link()?;
     let mut inputs = vec![first_in];
     let mut outputs = vec![];
@@ -154,21 +166,12 @@ fn chain(
                 })
             })
             .collect();
-        let run = client.install(|| -> Result<Run> {
-            send(&mut to_first, 0, &head.embed(prompt)?)?;
-            let (_, h) = recv(&mut from_last, hidden)?.context("the chain closed")?;
-            let mut tokens = vec![argmax(&head.logits(&h)?)?];
-            let start = Instant::now();
-            for i in 0..steps {
-                send(
-                    &mut to_first,
-                    prompt.len() + i,
-                    &head.embed(&tokens[i..=i])?,
-                )?;
+        let run = client.install(|| {
+            greedy(head, prompt, steps, |x, position| {
+                send(&mut to_first, position, x)?;
                 let (_, h) = recv(&mut from_last, hidden)?.context("the chain closed")?;
-                tokens.push(argmax(&head.logits(&h)?)?);
-            }
-            Ok((steps as f64 / start.elapsed().as_secs_f64(), tokens))
+                Ok(h)
+            })
         });
         // Closing the first link ends every node's loop in turn.
         drop(to_first);
@@ -178,10 +181,6 @@ fn chain(
         }
         run
     })
-}
-
-fn head_hidden(head: &Head, prompt: &[u32]) -> Result<usize> {
-    Ok(head.embed(&prompt[..1])?.dims3()?.2)
 }
 
 /// `repeats` runs of each, alternated, on the CPU with `threads` threads per pool. Every chain run must sample
@@ -205,6 +204,7 @@ pub fn measure(
         .map(|r| span(source, *r, &placement, kv))
         .collect::<Result<Vec<_>>>()?;
     let local_pool = pool(threads)?;
+    let hidden = source.spec().hidden_size;
     let mut floor = Floor {
         local: vec![],
         chain: vec![],
@@ -212,7 +212,7 @@ pub fn measure(
     for _ in 0..repeats {
         let (rate, expected) = local(&head, &full, &local_pool, prompt, steps)?;
         floor.local.push(rate);
-        let (rate, got) = chain(&head, &parts, threads, prompt, steps)?;
+        let (rate, got) = chain(&head, &parts, (threads, hidden), prompt, steps)?;
         ensure!(
             got == expected,
             "the floor's chain sampled {got:?}, local {expected:?}"
