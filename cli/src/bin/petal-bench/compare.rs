@@ -14,7 +14,9 @@
 //! Local runs go through [`Generator::local`], swarm runs through [`petal_cli::LocalSwarm`] and
 //! [`Generator::remote`]: the one decode loop's step, over either kind of blocks. Progress is logged with
 //! `tracing`; the JSON report goes to stdout.
-use crate::chain_floor;
+mod chain_floor;
+mod node_rss;
+
 use crate::model::{prompt_ids, weights_bytes};
 use crate::report::{median, percentile_ms, round};
 use crate::runs::chain_config;
@@ -26,10 +28,9 @@ use petal_client::{Generator, Session, SwarmClient};
 use petal_model::models_dir::{default_model, missing_model, DEFAULT_MODEL};
 use petal_model::{BlockRange, DeviceSpec, ModelRef, ModelSource, Placement};
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::Barrier;
 
 /// Prompt of the plain decode test (llama-bench's `tg` starts from an empty context: one token stands for it).
@@ -39,8 +40,6 @@ const SESSION_PROMPT: usize = 8;
 /// Untimed decode steps and prefill length that warm caches, pages and connections before a measurement.
 const WARMUP_STEPS: usize = 4;
 const WARMUP_PREFILL: usize = 64;
-/// How long a `petal-node serve` process may take to load its blocks and say it serves them.
-const NODE_START_TIMEOUT: Duration = Duration::from_secs(180);
 /// Measurements `--skip` can leave out.
 const PARTS: [&str; 6] = ["prefill", "decode", "depth", "sessions", "swarm", "rss"];
 
@@ -205,7 +204,7 @@ pub async fn run(args: &CompareArgs) -> Result<Value> {
         report["sessions"] = measure_sessions(&model, args).await?;
     }
     if args.runs("rss") {
-        report["node_rss"] = measure_node_rss(&model, args).await?;
+        report["node_rss"] = node_rss::measure(&model, args).await?;
     }
     report["load_avg_end"] = crate::load_average();
     report["elapsed_seconds"] = json!(round(started.elapsed().as_secs_f64(), 1));
@@ -624,98 +623,4 @@ async fn measure_sessions(model: &Model, args: &CompareArgs) -> Result<Value> {
         "runs_aggregate_tokens_per_second": aggregate.iter().map(|&r| round(r, 2)).collect::<Vec<_>>(),
         "head_batching": head,
     }))
-}
-
-// --- resident size ---------------------------------------------------------------------------------------------
-
-/// `petal-node serve` holding every block of the model, with no session: its peak (VmHWM) and current (VmRSS)
-/// resident size once it says it serves them, against the GGUF file's size.
-async fn measure_node_rss(model: &Model, args: &CompareArgs) -> Result<Value> {
-    let bin = match &args.node_bin {
-        Some(b) => b.clone(),
-        None => std::env::current_exe()?.with_file_name("petal-node"),
-    };
-    ensure!(
-        bin.is_file(),
-        "{} not found: build it (cargo build --release -p petal-cli --bin petal-node) or pass --node-bin",
-        bin.display()
-    );
-    let blocks = BlockRange::new(0, model.blocks());
-    let mut child = tokio::process::Command::new(&bin)
-        .args([
-            "serve",
-            "--no-relay",
-            "--listen",
-            "/ip4/127.0.0.1/tcp/0",
-            "--blocks",
-        ])
-        .arg(blocks.to_string())
-        .arg("--model")
-        .arg(&model.path)
-        .args(
-            model
-                .kv_dtype
-                .iter()
-                .flat_map(|d| ["--kv-dtype".to_string(), d.as_str().to_string()]),
-        )
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("starting {}", bin.display()))?;
-    let measured = async {
-        let stdout = child.stdout.take().context("no stdout from petal-node")?;
-        tokio::time::timeout(NODE_START_TIMEOUT, wait_serving(stdout))
-            .await
-            .context("petal-node did not start serving in time")??;
-        let pid = child.id().context("petal-node exited")?;
-        proc_status(pid)
-    }
-    .await;
-    // The node is ours and its state is of no use after this: kill it rather than wait for a drain.
-    let _ = child.kill().await;
-    let (hwm, rss) = measured?;
-    let gguf = weights_bytes(&model.path);
-    tracing::info!(vm_hwm = hwm, vm_rss = rss, gguf, "node resident size");
-    Ok(json!({
-        "blocks": blocks.to_string(),
-        "vm_hwm_bytes": hwm,
-        "vm_rss_bytes": rss,
-        "gguf_bytes": gguf,
-        "hwm_ratio_to_gguf": round(hwm as f64 / gguf.max(1) as f64, 3),
-        "rss_ratio_to_gguf": round(rss as f64 / gguf.max(1) as f64, 3),
-    }))
-}
-
-/// Reads the node's stdout until it says it serves its blocks.
-async fn wait_serving(stdout: tokio::process::ChildStdout) -> Result<()> {
-    let mut lines = BufReader::new(stdout).lines();
-    while let Some(line) = lines.next_line().await? {
-        if line.starts_with("serving blocks") {
-            return Ok(());
-        }
-    }
-    bail!("petal-node exited before serving its blocks")
-}
-
-/// VmHWM and VmRSS of process `pid`, in bytes, from /proc (Linux).
-fn proc_status(pid: u32) -> Result<(u64, u64)> {
-    let path = Path::new("/proc").join(pid.to_string()).join("status");
-    let status =
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let field = |name: &str| -> Result<u64> {
-        let line = status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .with_context(|| format!("no {name} in {}", path.display()))?;
-        let kb: u64 = line
-            .trim_start_matches(name)
-            .trim()
-            .trim_end_matches("kB")
-            .trim()
-            .parse()
-            .with_context(|| format!("bad {name} line {line:?}"))?;
-        Ok(kb * 1024)
-    };
-    Ok((field("VmHWM:")?, field("VmRSS:")?))
 }

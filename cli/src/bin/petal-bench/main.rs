@@ -12,7 +12,6 @@
 //!
 //! `petal-bench compare` measures Petal's side of the side-by-side benchmark with llama.cpp instead
 //! (`scripts/bench-compare`; see [`compare`]).
-mod chain_floor;
 mod compare;
 mod model;
 mod overhead;
