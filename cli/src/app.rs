@@ -24,8 +24,9 @@ pub fn run<F>(common: &CommonArgs, default_level: &str, command: F) -> ExitCode
 where
     F: Future<Output = anyhow::Result<()>>,
 {
-    // Before logging and the runtime start their threads: it sets an environment variable.
+    // Before logging and the runtime start their threads: they set environment variables.
     petal_model::compute::pool::pin_thread_count();
+    petal_model::compute::pool::stop_candle_pool_spin();
     let trace = logging::init(&common.log_format, default_level, common.trace.as_deref());
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

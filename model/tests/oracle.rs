@@ -161,3 +161,65 @@ fn gguf_spans_match_candle_quantized_llama() {
     let prompt = tok.encode("The capital of France is", true).unwrap();
     compare(&mut ours, oracle, &prompt);
 }
+
+/// SmolLM2's GGUF with every Q4_1 matrix requantized to Q5_0 (what llama.cpp's Q4_K_M holds for most matrices
+/// 576 wide), written to `dir`; the other tensors as they are.
+fn smollm_as_q5_0(dir: &std::path::Path) -> std::path::PathBuf {
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    let dev = Device::Cpu;
+    let mut file = std::fs::File::open(smollm_gguf()).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+    names.sort();
+    let tensors: Vec<(String, QTensor)> = names
+        .into_iter()
+        .map(|name| {
+            let q = content.tensor(&mut file, name, &dev).unwrap();
+            let q = if q.dtype() == GgmlDType::Q4_1 {
+                QTensor::quantize(&q.dequantize(&dev).unwrap(), GgmlDType::Q5_0).unwrap()
+            } else {
+                q
+            };
+            (name.clone(), q)
+        })
+        .collect();
+    let metadata: Vec<(&str, &gguf_file::Value)> = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v))
+        .collect();
+    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, q)| (n.as_str(), q)).collect();
+    let path = dir.join("smollm2-q5_0.gguf");
+    let mut out = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
+    gguf_file::write(&mut out, &metadata, &tensors).unwrap();
+    drop(out);
+    path
+}
+
+/// Q5_0 matrices go through our kernels (candle's product is its scalar loop): the spans must still give the
+/// monolithic model's logits and tokens.
+#[test]
+fn q5_0_gguf_spans_match_candle_quantized_llama() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = smollm_as_q5_0(dir.path());
+    let source = ModelSource::open(&path).unwrap();
+    let mut ours = Composed::new(&source, &[(0, 12), (12, 30)]);
+
+    let dev = Device::Cpu;
+    let mut file = std::fs::File::open(&path).unwrap();
+    let content = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
+    let q5_0 = content
+        .tensor_infos
+        .values()
+        .filter(|t| t.ggml_dtype == candle_core::quantized::GgmlDType::Q5_0)
+        .count();
+    assert_eq!(q5_0, 210, "every block matrix in Q5_0");
+    let mut model = quantized_llama::ModelWeights::from_gguf(content, &mut file, &dev).unwrap();
+    let oracle = |ids: &[u32], pos: usize| {
+        let x = Tensor::new(ids, &dev).unwrap().unsqueeze(0).unwrap();
+        model.forward(&x, pos).unwrap().squeeze(0).unwrap()
+    };
+    let tok = source.tokenizer(None).unwrap();
+    let prompt = tok.encode("The capital of France is", true).unwrap();
+    compare(&mut ours, oracle, &prompt);
+}

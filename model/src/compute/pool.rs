@@ -48,6 +48,20 @@ pub fn pin_thread_count() {
     }
 }
 
+/// Sets `CANDLE_BARRIER_POOL_SPIN_LIMIT` to 0, when it is unset, so that the workers candle keeps for its own
+/// quantized matmuls sleep as soon as a matmul ends instead of spinning for the next one.
+///
+/// Why: formats our kernels do not take (the K-quants: Q4_K, Q6_K, ...) go through candle's matmul, which runs on a
+/// pool of its own whose workers spin after each matmul, on the cores our pool's threads need for the ops between
+/// (SmolLM2 as llama.cpp's Q4_K_M has a Q4_K or Q6_K matrix in each block, on 2 vCPUs: local decoding 158 tokens/s
+/// with the spin, 240 without; at depth 2048, 79 and 125). Binaries call this first thing in `main`, as
+/// [`pin_thread_count`], with the same care: no other thread may exist yet.
+pub fn stop_candle_pool_spin() {
+    if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
+        std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", "0");
+    }
+}
+
 /// Runs `f` on a thread of the compute pool when `device` is the CPU (inline when already on one, and on other
 /// devices, whose kernels do not use the pool).
 pub fn on_compute_pool<R: Send>(device: &Device, f: impl FnOnce() -> R + Send) -> R {

@@ -1,6 +1,6 @@
 //! Matmul weights (`y = x W^T`): candle's `QMatMul`, or our own CPU kernels for the formats where candle's are
-//! slow (Q4_1: its generic scalar loop; Q8_0: a weight row at a time, on a second thread pool): weights repacked
-//! into groups of [`GROUP_ROWS`] interleaved rows, one task per group ([`matmul_by_groups`]).
+//! slow (Q4_1 and Q5_0: its generic scalar loops; Q8_0: a weight row at a time, on a second thread pool): weights
+//! repacked into groups of [`GROUP_ROWS`] interleaved rows, one task per group ([`matmul_by_groups`]).
 
 // Defined before the kernels' modules, which use it (a `macro_rules!` is visible only after its definition).
 /// Runs `$body` for `$r` in `0..$n` (`$n` at most 16, a constant), written out row by row: as a loop, LLVM keeps
@@ -86,11 +86,13 @@ pub(crate) fn prefetch_ahead<T>(first: *const T, b: usize, blocks: usize, block_
 
 mod amx;
 pub mod q4_1;
+pub mod q5_0;
 pub mod q8_0;
 pub mod q8_1;
 mod stacked;
 
 pub use q4_1::Q4_1Matrix;
+pub use q5_0::Q5_0Matrix;
 pub use q8_0::Q8_0Matrix;
 pub use stacked::Stacked;
 
@@ -104,6 +106,7 @@ use std::sync::Arc;
 pub enum Linear {
     Candle(QMatMul),
     Q4_1(Arc<Q4_1Matrix>),
+    Q5_0(Arc<Q5_0Matrix>),
     Q8_0(Arc<Q8_0Matrix>),
 }
 
@@ -113,6 +116,9 @@ impl Linear {
         if device.is_cpu() {
             if let Some(m) = Q4_1Matrix::from_qtensor(&q)? {
                 return Ok(Self::Q4_1(Arc::new(m)));
+            }
+            if let Some(m) = Q5_0Matrix::from_qtensor(&q)? {
+                return Ok(Self::Q5_0(Arc::new(m)));
             }
             if let Some(m) = Q8_0Matrix::from_qtensor(&q)? {
                 return Ok(Self::Q8_0(Arc::new(m)));
@@ -142,7 +148,7 @@ impl Linear {
     /// (our kernels quantize activations by row and form each output as one row's dot product; candle's kernels
     /// may take another path for more rows).
     pub fn rows_independent(&self) -> bool {
-        matches!(self, Self::Q4_1(_) | Self::Q8_0(_))
+        matches!(self, Self::Q4_1(_) | Self::Q5_0(_) | Self::Q8_0(_))
     }
 
     /// `x`: `[..., in]` to `[..., out]`.
@@ -150,6 +156,7 @@ impl Linear {
         Ok(match self {
             Self::Candle(m) => m.forward(x)?,
             Self::Q4_1(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
+            Self::Q5_0(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
             Self::Q8_0(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
         })
     }

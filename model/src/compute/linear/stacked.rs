@@ -2,7 +2,7 @@
 //! the input is quantized once and the threads are woken once (on a GPU: one launch instead of two per part, and
 //! launches are what bound a GPU's decode step). Rows of a stacked matrix are computed exactly as they would be
 //! alone, so results do not change.
-use super::{Linear, Q4_1Matrix};
+use super::{Linear, Q4_1Matrix, Q5_0Matrix};
 use crate::error::Result;
 use candle_core::quantized::{QMatMul, QStorage, QTensor};
 use candle_core::Tensor;
@@ -20,17 +20,25 @@ pub enum Stacked {
 
 impl Stacked {
     pub fn new(parts: Vec<Linear>) -> Result<Self> {
-        let q4_1: Vec<&Q4_1Matrix> = parts
-            .iter()
-            .filter_map(|p| match p {
-                Linear::Q4_1(m) => Some(m.as_ref()),
-                Linear::Candle(_) | Linear::Q8_0(_) => None,
-            })
-            .collect();
-        if q4_1.len() == parts.len() && parts.len() > 1 {
-            let widths = q4_1.iter().map(|m| m.rows()).collect();
-            let stacked = Q4_1Matrix::concat_rows(&q4_1)?;
-            return Ok(Self::One(Linear::Q4_1(Arc::new(stacked)), widths));
+        if let Some(stacked) = stack_ours(
+            &parts,
+            |p| match p {
+                Linear::Q4_1(m) => Some(m),
+                _ => None,
+            },
+            (Q4_1Matrix::concat_rows, Q4_1Matrix::rows, Linear::Q4_1),
+        )? {
+            return Ok(stacked);
+        }
+        if let Some(stacked) = stack_ours(
+            &parts,
+            |p| match p {
+                Linear::Q5_0(m) => Some(m),
+                _ => None,
+            },
+            (Q5_0Matrix::concat_rows, Q5_0Matrix::rows, Linear::Q5_0),
+        )? {
+            return Ok(stacked);
         }
         // candle's quantized matrices on a GPU (on the CPU, the formats our kernels take are stacked above).
         let on_gpu: Vec<&QTensor> = parts
@@ -85,6 +93,31 @@ impl Stacked {
             }
         }
     }
+}
+
+/// How one of our kernels' matrix types stacks: its `concat_rows`, its `rows` and its [`Linear`] variant.
+type StackFns<M> = (
+    fn(&[&M]) -> Result<M>,
+    fn(&M) -> usize,
+    fn(Arc<M>) -> Linear,
+);
+
+/// Two or more parts all in one of our kernels' formats (`pick` gives a part's matrix in it) as one matrix, split
+/// by each part's rows; `None` when they are not.
+fn stack_ours<M>(
+    parts: &[Linear],
+    pick: impl Fn(&Linear) -> Option<&Arc<M>>,
+    (concat, rows, wrap): StackFns<M>,
+) -> Result<Option<Stacked>> {
+    let ours: Vec<&M> = parts
+        .iter()
+        .filter_map(|p| pick(p).map(Arc::as_ref))
+        .collect();
+    if parts.len() < 2 || ours.len() != parts.len() {
+        return Ok(None);
+    }
+    let widths = ours.iter().map(|m| rows(m)).collect();
+    Ok(Some(Stacked::One(wrap(Arc::new(concat(&ours)?)), widths)))
 }
 
 /// Quantized matrices of one format and width as one, their rows one after another (a row's blocks are its own, so
@@ -173,5 +206,45 @@ mod tests {
         assert!(stack_rows(&[&first, &wider]).unwrap().is_none());
         assert!(stack_rows(&[&first, &q8]).unwrap().is_none());
         assert!(stack_rows(&[&first]).unwrap().is_none());
+    }
+
+    /// On the CPU, parts all in one of our kernels' formats become one matrix of that format whose outputs are each
+    /// part's, bit for bit; parts of two formats stay apart.
+    #[test]
+    fn parts_in_one_of_our_formats_stack_into_one() {
+        use super::{Linear, Stacked};
+        use candle_core::Device;
+        let part = |rows: usize, seed: u64, dtype: GgmlDType| {
+            let q = QTensor::quantize(&test_matrix(rows, 128, seed), dtype).unwrap();
+            Linear::quantized(Arc::new(q), &Device::Cpu).unwrap()
+        };
+        for dtype in [GgmlDType::Q4_1, GgmlDType::Q5_0] {
+            let parts = vec![part(48, 1, dtype), part(16, 2, dtype), part(16, 3, dtype)];
+            let stacked = Stacked::new(parts.clone()).unwrap();
+            let Stacked::One(whole, widths) = &stacked else {
+                panic!("{dtype:?} parts were not stacked");
+            };
+            assert!(matches!(
+                (whole, dtype),
+                (Linear::Q4_1(_), GgmlDType::Q4_1) | (Linear::Q5_0(_), GgmlDType::Q5_0)
+            ));
+            assert_eq!(widths, &[48, 16, 16]);
+            let x = test_matrix(5, 128, 9);
+            for (mine, alone) in stacked.forward(&x).unwrap().iter().zip(&parts) {
+                let (a, b) = (
+                    mine.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    alone
+                        .forward(&x)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap(),
+                );
+                assert_eq!(a, b, "{dtype:?}");
+            }
+        }
+        let mixed = vec![part(16, 1, GgmlDType::Q4_1), part(16, 2, GgmlDType::Q5_0)];
+        assert!(matches!(Stacked::new(mixed).unwrap(), Stacked::Many(_)));
     }
 }

@@ -1,0 +1,341 @@
+//! Q5_0 weights repacked at load time into groups of [`GROUP_ROWS`] interleaved rows, multiplied by f32
+//! activations with our own kernels ([`kernels`]). Candle has no vectorised Q5_0 product (its generic scalar loop,
+//! one weight row at a time), yet Q5_0 is most of what llama.cpp's `Q4_K_M` holds for models whose width is not
+//! a multiple of 256 (SmolLM2's 576: 166 of its 210 matrices).
+//!
+//! A block's low four bits are laid out as Q4_1's are ([`super::q4_1`]: four parts, each four bytes of every row
+//! of the group, row `k` at `4k`). Its fifth bits are regrouped the same way, as one 64-bit mask per part: bit
+//! `4k + t` of part `p`'s mask is the fifth bit of the value whose low nibble is byte `t` of row `k` in part `p`
+//! (parts 0-3: the low nibbles, values `4p + t`; parts 4-7: the high nibbles, values `4(p - 4) + t + 16`), so a
+//! masked add puts every row's fifth bits in place at once. Twenty-two bytes a block, as in the file.
+mod kernels;
+
+pub use kernels::{Kernel, Q5Row};
+
+use super::q8_1::{Q8Rows, QK8_1};
+use super::{interleaved, GROUP_ROWS, PART_BYTES};
+use crate::error::{ModelError, Result};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape};
+use half::f16;
+
+/// Values per block.
+pub const QK5_0: usize = 32;
+/// Bytes of one ggml `block_q5_0`: scale `d` (a half), the fifth bits `qh` (32, little-endian), 16 bytes of
+/// nibbles (`value = d * (q - 16)`).
+const BLOCK_BYTES: usize = 22;
+/// Nibble bytes of one block of a group.
+pub const BLOCK_QS: usize = GROUP_ROWS * QK5_0 / 2;
+/// Fifth-bit masks of one block of a group: one per part.
+pub const BLOCK_MASKS: usize = 8;
+
+/// A `[rows, cols]` Q5_0 matrix (`cols` a multiple of 32), as `y = x W^T`'s `W`.
+#[derive(Debug)]
+pub struct Q5_0Matrix {
+    /// `[group][block][row of the group]`.
+    d: Vec<f16>,
+    /// `[group][block][part][row of the group][byte]`.
+    qs: Vec<u8>,
+    /// `[group][block][part]`.
+    high: Vec<u64>,
+    rows: usize,
+    cols: usize,
+}
+
+/// One group's blocks: `d` holds `GROUP_ROWS` halves per block, `qs` [`BLOCK_QS`] bytes, `high` [`BLOCK_MASKS`]
+/// masks.
+#[derive(Debug, Clone, Copy)]
+pub struct Q5_0Group<'a> {
+    pub d: &'a [f16],
+    pub qs: &'a [u8],
+    pub high: &'a [u64],
+}
+
+impl Q5_0Group<'_> {
+    pub fn blocks(&self) -> usize {
+        self.d.len() / GROUP_ROWS
+    }
+}
+
+/// Part and bit of the fifth-bit masks that value `j` (0..32) of row `k` goes to.
+fn mask_bit(j: usize, k: usize) -> (usize, u32) {
+    let (part, t) = if j < 16 {
+        (j / 4, j % 4)
+    } else {
+        (4 + (j - 16) / 4, (j - 16) % 4)
+    };
+    (part, (4 * k + t) as u32)
+}
+
+impl Q5_0Matrix {
+    /// Repacks a Q5_0 `QTensor`; `None` for any other format or shape.
+    pub fn from_qtensor(q: &QTensor) -> Result<Option<Self>> {
+        let dims = q.shape().dims();
+        if q.dtype() != GgmlDType::Q5_0 || dims.len() != 2 || !dims[1].is_multiple_of(QK5_0) {
+            return Ok(None);
+        }
+        let data = q.data()?;
+        Ok(Some(Self::from_bytes(&data, dims[0], dims[1])?))
+    }
+
+    /// Repacks raw ggml blocks (row by row) into interleaved groups.
+    pub fn from_bytes(data: &[u8], rows: usize, cols: usize) -> Result<Self> {
+        super::block_count("Q5_0", data, (rows, cols), (QK5_0, BLOCK_BYTES))?;
+        let nb = cols / QK5_0;
+        let slots = rows.div_ceil(GROUP_ROWS) * nb;
+        let mut w = Self {
+            d: vec![f16::ZERO; slots * GROUP_ROWS],
+            qs: vec![0; slots * BLOCK_QS],
+            high: vec![0; slots * BLOCK_MASKS],
+            rows,
+            cols,
+        };
+        for (i, b) in data.chunks_exact(BLOCK_BYTES).enumerate() {
+            let (at, k) = interleaved(i / nb, i % nb, nb);
+            w.d[at * GROUP_ROWS + k] = f16::from_le_bytes([b[0], b[1]]);
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            for j in (0..QK5_0).filter(|j| qh >> j & 1 == 1) {
+                let (part, bit) = mask_bit(j, k);
+                w.high[at * BLOCK_MASKS + part] |= 1 << bit;
+            }
+            for (p, bytes) in b[6..].chunks_exact(4).enumerate() {
+                let q = at * BLOCK_QS + p * PART_BYTES + 4 * k;
+                w.qs[q..q + 4].copy_from_slice(bytes);
+            }
+        }
+        Ok(w)
+    }
+
+    /// The matrix as ggml's row-by-row blocks again: the bytes [`Self::from_bytes`] took.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let nb = self.cols / QK5_0;
+        let mut out = Vec::with_capacity(self.rows * nb * BLOCK_BYTES);
+        for row in 0..self.rows {
+            for block in 0..nb {
+                let (at, k) = interleaved(row, block, nb);
+                out.extend(self.d[at * GROUP_ROWS + k].to_le_bytes());
+                let qh = (0..QK5_0).fold(0u32, |qh, j| {
+                    let (part, bit) = mask_bit(j, k);
+                    qh | (((self.high[at * BLOCK_MASKS + part] >> bit) & 1) as u32) << j
+                });
+                out.extend(qh.to_le_bytes());
+                for p in 0..4 {
+                    let q = at * BLOCK_QS + p * PART_BYTES + 4 * k;
+                    out.extend(&self.qs[q..q + 4]);
+                }
+            }
+        }
+        out
+    }
+
+    /// The rows of several matrices of the same width, one after another: one matmul instead of several over
+    /// the same input (queries, keys and values; gate and up).
+    pub fn concat_rows(parts: &[&Q5_0Matrix]) -> Result<Self> {
+        let cols = parts.first().map(|p| p.cols).unwrap_or(0);
+        if parts.iter().any(|p| p.cols != cols) {
+            return Err(ModelError::Config(
+                "Q5_0 matrices of different widths cannot be stacked".into(),
+            ));
+        }
+        let bytes: Vec<u8> = parts.iter().flat_map(|p| p.to_bytes()).collect();
+        Self::from_bytes(&bytes, parts.iter().map(|p| p.rows).sum(), cols)
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn group(&self, g: usize) -> Q5_0Group<'_> {
+        let blocks = self.cols / QK5_0;
+        let i = g * blocks..(g + 1) * blocks;
+        Q5_0Group {
+            d: &self.d[i.start * GROUP_ROWS..i.end * GROUP_ROWS],
+            qs: &self.qs[i.start * BLOCK_QS..i.end * BLOCK_QS],
+            high: &self.high[i.start * BLOCK_MASKS..i.end * BLOCK_MASKS],
+        }
+    }
+
+    /// The matrix as f32, row-major: ggml's `dequantize_row_q5_0`.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.rows * self.cols);
+        for b in self.to_bytes().chunks_exact(BLOCK_BYTES) {
+            let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            let value =
+                |q: u8, j: usize| ((q as u32 | ((qh >> j) & 1) << 4) as i32 - 16) as f32 * d;
+            out.extend(b[6..].iter().enumerate().map(|(j, q)| value(q & 0x0F, j)));
+            out.extend(
+                b[6..]
+                    .iter()
+                    .enumerate()
+                    .map(|(j, q)| value(q >> 4, j + 16)),
+            );
+        }
+        out
+    }
+
+    /// `x` (`[m, cols]`, row-major) times the transpose of this matrix: `[m, rows]`.
+    pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
+        self.matmul_with(Kernel::detect(), x, m)
+    }
+
+    /// [`Self::matmul`] with a chosen kernel (tests compare kernels).
+    pub fn matmul_with(&self, kernel: Kernel, x: &[f32], m: usize) -> Vec<f32> {
+        debug_assert_eq!(x.len(), m * self.cols);
+        debug_assert_eq!(self.cols % QK8_1, 0);
+        // Candle quantizes the activations to Q8_0 for this product; Q8_1's scales and bytes are the same values.
+        let xq = Q8Rows::quantize(x, m, false);
+        let sums: Vec<i32> = xq
+            .qs
+            .iter()
+            .map(|b| b.iter().map(|&v| v as i32).sum())
+            .collect();
+        let rows: Vec<Q5Row<'_>> = (0..m)
+            .map(|i| {
+                let r = xq.row(i);
+                Q5Row {
+                    d: r.d,
+                    qs: r.qs,
+                    sum: &sums[i * xq.blocks..(i + 1) * xq.blocks],
+                }
+            })
+            .collect();
+        super::matmul_by_groups(self.rows, m, |g, tile, out| {
+            kernel.group_dots(self.group(g), &rows[tile], out)
+        })
+    }
+}
+
+impl CustomOp1 for Q5_0Matrix {
+    fn name(&self) -> &'static str {
+        "petal-q5_0-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let dims = (self.rows, self.cols);
+        super::cpu_matmul("q5_0 matmul", dims, storage, layout, |x, m| {
+            self.matmul(x, m)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::{QMatMul, QTensor};
+    use candle_core::{Device, Tensor};
+
+    use super::super::{candle_product, test_matrix as random};
+
+    fn q5_0(rows: usize, cols: usize) -> (QTensor, Q5_0Matrix) {
+        let q = QTensor::quantize(&random(rows, cols, 7), GgmlDType::Q5_0).unwrap();
+        let m = Q5_0Matrix::from_qtensor(&q).unwrap().unwrap();
+        (q, m)
+    }
+
+    #[test]
+    fn dequantizes_bit_for_bit_like_candle() {
+        let (q, m) = q5_0(37, 96);
+        let want = q
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let got = m.dequantize();
+        assert_eq!(got.len(), want.len());
+        assert!(got
+            .iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+
+    #[test]
+    fn every_kernel_equals_candle_bit_for_bit() {
+        // 37 weight rows: two full groups and a partial one; activation rows around the 8-row and 16-row tiles,
+        // with every remainder of an 8-row tile among them, and more than one 64-row tile of the matmul. Widths of
+        // an even number of blocks (candle's Q5_0 product asserts it in debug builds), from two blocks up.
+        for cols in [448, 64, 128] {
+            let (q, m) = q5_0(37, cols);
+            let candle = QMatMul::from_qtensor(q).unwrap();
+            for rows in [1, 2, 3, 4, 5, 6, 7, 8, 11, 15, 16, 17, 25, 40, 67] {
+                let x = random(rows, cols, rows as u64);
+                let (want, xs) = candle_product(&candle, &x);
+                for kernel in Kernel::available() {
+                    let got = m.matmul_with(kernel, &xs, rows);
+                    assert_eq!(got, want, "{kernel:?}, {rows} rows of {cols}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_fifth_bit_reaches_its_value() {
+        // One weight row per fifth bit set alone (and a row of all of them), so a bit that went to the wrong part
+        // or lane would change one output.
+        let cols = 64;
+        let mut data = vec![];
+        for row in 0..33 {
+            for block in 0..cols / QK5_0 {
+                data.extend(f16::from_f32(0.5 + block as f32).to_le_bytes());
+                let qh: u32 = match row {
+                    32 => u32::MAX,
+                    j => 1 << j,
+                };
+                data.extend(qh.to_le_bytes());
+                data.extend((0..16u8).map(|i| i.wrapping_mul(7).wrapping_add(row as u8)));
+            }
+        }
+        let m = Q5_0Matrix::from_bytes(&data, 33, cols).unwrap();
+        assert_eq!(m.to_bytes(), data);
+        let q = candle_core::quantized::ggml_file::qtensor_from_ggml(
+            GgmlDType::Q5_0,
+            &data,
+            vec![33, cols],
+            &Device::Cpu,
+        )
+        .unwrap();
+        let candle = QMatMul::from_qtensor(q).unwrap();
+        let x = random(3, cols, 11);
+        let (want, xs) = candle_product(&candle, &x);
+        for kernel in Kernel::available() {
+            assert_eq!(m.matmul_with(kernel, &xs, 3), want, "{kernel:?}");
+        }
+    }
+
+    #[test]
+    fn repacking_keeps_the_ggml_bytes_and_stacks_rows_exactly() {
+        let (q, a) = q5_0(37, 128);
+        assert_eq!(a.to_bytes(), q.data().unwrap().to_vec());
+        // 37 + 5 rows: the second part's rows start inside the first part's last group.
+        let (_, b) = q5_0(5, 128);
+        let both = Q5_0Matrix::concat_rows(&[&a, &b]).unwrap();
+        assert_eq!((both.rows(), both.cols()), (42, 128));
+        let x: Vec<f32> = random(3, 128, 5).flatten_all().unwrap().to_vec1().unwrap();
+        let (ya, yb, y) = (a.matmul(&x, 3), b.matmul(&x, 3), both.matmul(&x, 3));
+        for r in 0..3 {
+            assert_eq!(y[r * 42..r * 42 + 37], ya[r * 37..(r + 1) * 37]);
+            assert_eq!(y[r * 42 + 37..(r + 1) * 42], yb[r * 5..(r + 1) * 5]);
+        }
+    }
+
+    #[test]
+    fn as_a_tensor_op_keeps_leading_dims_and_refuses_wrong_widths() {
+        let (_, m) = q5_0(16, 64);
+        let x = Tensor::zeros((2, 3, 64), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let y = x.apply_op1_no_bwd(&m).unwrap();
+        assert_eq!(y.dims(), &[2, 3, 16]);
+        let bad = Tensor::zeros((2, 32), candle_core::DType::F32, &Device::Cpu).unwrap();
+        assert!(bad.apply_op1_no_bwd(&m).is_err());
+        assert!(Q5_0Matrix::from_bytes(&[0; 21], 1, 32).is_err());
+    }
+}
