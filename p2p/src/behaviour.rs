@@ -142,12 +142,20 @@ fn relay_config(limits: &RelayLimits) -> relay::Config {
     .circuit_src_per_peer(per_minute(120), Duration::from_secs(60))
 }
 
+/// How long an AutoNAT probe waits for the server's answer: longer than the server's dial-back can take. It dials
+/// our addresses one at a time (libp2p's AutoNAT v1), and behind a NAT that drops unsolicited packets (most do)
+/// each attempt runs until its transport gives up: `network::HANDSHAKE_TIMEOUT` for
+/// TCP, 5 s for QUIC, over three or four addresses. A probe that gave up first learned nothing, and the next one
+/// found that dial-back still running and was refused: with 10 s here a node behind such a NAT could go on
+/// probing for minutes without ever concluding that it is private (seen in `scripts/test-nat`).
+const AUTONAT_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// AutoNAT probing: the first probe soon after start (a node wants to know before it announces for long), then
 /// every 10 s until two answers agree, then every 5 minutes. Private addresses count: swarms on a LAN or in
 /// containers are real swarms, and a peer that dials us back on a private address did reach us.
 fn autonat_config() -> autonat::Config {
     autonat::Config {
-        timeout: Duration::from_secs(10),
+        timeout: AUTONAT_TIMEOUT,
         boot_delay: Duration::from_secs(1),
         retry_interval: Duration::from_secs(10),
         refresh_interval: Duration::from_secs(5 * 60),
