@@ -26,7 +26,7 @@ where
 {
     // Before logging and the runtime start their threads: they set environment variables.
     petal_model::compute::pool::pin_thread_count();
-    petal_model::compute::pool::stop_candle_pool_spin();
+    petal_model::compute::pool::keep_candle_on_our_threads();
     let trace = logging::init(&common.log_format, default_level, common.trace.as_deref());
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -48,17 +48,17 @@ pub fn pin_thread_count() {
     }
 }
 
-/// Sets `CANDLE_BARRIER_POOL_SPIN_LIMIT` to 0, when it is unset, so that the workers candle keeps for its own
-/// quantized matmuls sleep as soon as a matmul ends instead of spinning for the next one.
+/// Sets `CANDLE_NUM_THREADS` to 1, when it is unset, so that candle's quantized CPU matmuls run on the thread that
+/// calls them, with no pool of candle's own; [`CandleRows`](super::linear::CandleRows) spreads them over ours.
 ///
 /// Why: formats our kernels do not take (the K-quants: Q4_K, Q6_K, ...) go through candle's matmul, which runs on a
 /// pool of its own whose workers spin after each matmul, on the cores our pool's threads need for the ops between
-/// (SmolLM2 as llama.cpp's Q4_K_M has a Q4_K or Q6_K matrix in each block, on 2 vCPUs: local decoding 158 tokens/s
-/// with the spin, 240 without; at depth 2048, 79 and 125). Binaries call this first thing in `main`, as
+/// (SmolLM2 as llama.cpp's Q4_K_M has a Q4_K or Q6_K matrix in each block; on 2 vCPUs local decoding ran at 158
+/// tokens/s with that pool, 240 with its workers not spinning). Binaries call this first thing in `main`, as
 /// [`pin_thread_count`], with the same care: no other thread may exist yet.
-pub fn stop_candle_pool_spin() {
-    if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
-        std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", "0");
+pub fn keep_candle_on_our_threads() {
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        std::env::set_var("CANDLE_NUM_THREADS", "1");
     }
 }
 

@@ -85,12 +85,14 @@ pub(crate) fn prefetch_ahead<T>(first: *const T, b: usize, blocks: usize, block_
 }
 
 mod amx;
+mod candle_rows;
 pub mod q4_1;
 pub mod q5_0;
 pub mod q8_0;
 pub mod q8_1;
 mod stacked;
 
+pub use candle_rows::CandleRows;
 pub use q4_1::Q4_1Matrix;
 pub use q5_0::Q5_0Matrix;
 pub use q8_0::Q8_0Matrix;
@@ -105,6 +107,8 @@ use std::sync::Arc;
 #[derive(Debug, Clone)]
 pub enum Linear {
     Candle(QMatMul),
+    /// Candle's product, a part of the rows on each thread of the calling pool.
+    CandleRows(Arc<CandleRows>),
     Q4_1(Arc<Q4_1Matrix>),
     Q5_0(Arc<Q5_0Matrix>),
     Q8_0(Arc<Q8_0Matrix>),
@@ -122,6 +126,9 @@ impl Linear {
             }
             if let Some(m) = Q8_0Matrix::from_qtensor(&q)? {
                 return Ok(Self::Q8_0(Arc::new(m)));
+            }
+            if let Some(m) = CandleRows::new(&q, rayon::current_num_threads())? {
+                return Ok(Self::CandleRows(Arc::new(m)));
             }
         }
         Ok(Self::Candle(QMatMul::from_arc(q)?))
@@ -155,6 +162,7 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(match self {
             Self::Candle(m) => m.forward(x)?,
+            Self::CandleRows(m) => m.forward(x)?,
             Self::Q4_1(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
             Self::Q5_0(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
             Self::Q8_0(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
