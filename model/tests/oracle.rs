@@ -145,12 +145,16 @@ fn bin_and_hf_give_the_same_logits() {
 
 #[test]
 fn gguf_spans_match_candle_quantized_llama() {
-    let path = smollm_gguf();
-    let source = ModelSource::open(&path).unwrap();
-    let mut ours = Composed::new(&source, &[(0, 10), (10, 20), (20, 30)]);
+    gguf_spans_match_quantized_llama(&smollm_gguf(), &[(0, 10), (10, 20), (20, 30)]);
+}
+
+/// The GGUF at `path` in `spans`, against candle's `quantized_llama` of the same file, for a SmolLM2 prompt.
+fn gguf_spans_match_quantized_llama(path: &std::path::Path, spans: &[(usize, usize)]) {
+    let source = ModelSource::open(path).unwrap();
+    let mut ours = Composed::new(&source, spans);
 
     let dev = Device::Cpu;
-    let mut file = std::fs::File::open(&path).unwrap();
+    let mut file = std::fs::File::open(path).unwrap();
     let content = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
     let mut model = quantized_llama::ModelWeights::from_gguf(content, &mut file, &dev).unwrap();
     let oracle = |ids: &[u32], pos: usize| {
@@ -202,10 +206,6 @@ fn smollm_as_q5_0(dir: &std::path::Path) -> std::path::PathBuf {
 fn q5_0_gguf_spans_match_candle_quantized_llama() {
     let dir = tempfile::tempdir().unwrap();
     let path = smollm_as_q5_0(dir.path());
-    let source = ModelSource::open(&path).unwrap();
-    let mut ours = Composed::new(&source, &[(0, 12), (12, 30)]);
-
-    let dev = Device::Cpu;
     let mut file = std::fs::File::open(&path).unwrap();
     let content = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
     let q5_0 = content
@@ -214,12 +214,5 @@ fn q5_0_gguf_spans_match_candle_quantized_llama() {
         .filter(|t| t.ggml_dtype == candle_core::quantized::GgmlDType::Q5_0)
         .count();
     assert_eq!(q5_0, 210, "every block matrix in Q5_0");
-    let mut model = quantized_llama::ModelWeights::from_gguf(content, &mut file, &dev).unwrap();
-    let oracle = |ids: &[u32], pos: usize| {
-        let x = Tensor::new(ids, &dev).unwrap().unsqueeze(0).unwrap();
-        model.forward(&x, pos).unwrap().squeeze(0).unwrap()
-    };
-    let tok = source.tokenizer(None).unwrap();
-    let prompt = tok.encode("The capital of France is", true).unwrap();
-    compare(&mut ours, oracle, &prompt);
+    gguf_spans_match_quantized_llama(&path, &[(0, 12), (12, 30)]);
 }

@@ -20,7 +20,6 @@ use super::q8_1::{abs_max, round_half_away};
 use super::{interleaved, GROUP_ROWS, PART_BYTES};
 use crate::error::Result;
 use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{CpuStorage, CustomOp1, Layout, Shape};
 use half::f16;
 
 mod blocks;
@@ -430,28 +429,12 @@ mod avx512_vnni {
     }
 }
 
-impl CustomOp1 for Q8_0Matrix {
-    fn name(&self) -> &'static str {
-        "petal-q8_0-matmul"
-    }
-
-    fn cpu_fwd(
-        &self,
-        storage: &CpuStorage,
-        layout: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let dims = (self.rows, self.cols);
-        super::cpu_matmul("q8_0 matmul", dims, storage, layout, |x, m| {
-            self.matmul(x, m)
-        })
-    }
-}
+matmul_op!(Q8_0Matrix, "petal-q8_0-matmul");
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::quantized::QMatMul;
-    use candle_core::{Device, Tensor};
 
     use super::super::{candle_product, test_matrix as random};
 
@@ -508,10 +491,7 @@ mod tests {
     fn as_a_tensor_op_keeps_leading_dims_and_refuses_wrong_widths() {
         let q = QTensor::quantize(&random(16, 64, 1), GgmlDType::Q8_0).unwrap();
         let m = Q8_0Matrix::from_qtensor(&q).unwrap().unwrap();
-        let x = Tensor::zeros((2, 3, 64), candle_core::DType::F32, &Device::Cpu).unwrap();
-        assert_eq!(x.apply_op1_no_bwd(&m).unwrap().dims(), &[2, 3, 16]);
-        let bad = Tensor::zeros((2, 32), candle_core::DType::F32, &Device::Cpu).unwrap();
-        assert!(bad.apply_op1_no_bwd(&m).is_err());
+        super::super::assert_op_shapes(&m, 16, 64);
         assert!(Q8_0Matrix::from_bytes(&[0; 33], 1, 32).is_err());
         let q4 = QTensor::quantize(&random(16, 64, 1), GgmlDType::Q4_0).unwrap();
         assert!(Q8_0Matrix::from_qtensor(&q4).unwrap().is_none());

@@ -268,27 +268,12 @@ x86_256_kernel!(avx_vnni, "avx2,fma,f16c,avxvnni", |q, y| {
 mod avx512_vnni {
     use super::super::super::q8_1::Q8Row;
     use super::super::{Q4_1Group, BLOCK_QS, GROUP_ROWS, PART_BYTES};
-    use crate::compute::linear::prefetch_ahead;
+    use crate::compute::linear::{block_dot_512, prefetch_ahead};
     use std::arch::x86_64::*;
-
-    /// Activation rows of the widest tile.
-    const WIDE: usize = 16;
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn group_dots(w: Q4_1Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
-        // Sixteen rows a tile unpack each block's weights once for all of them: 1.02-1.07x faster than tiles of
-        // eight (SmolLM2's 120 block matmuls at 16 rows on two threads, Zen 4; 64 rows the same), though their
-        // sums and accumulators no longer fit the thirty-two registers and some go to the stack. The rest in
-        // tiles of eight, which do fit (eight unpacked weight parts, two scale vectors, eight accumulators).
-        let wide = ys.len() / WIDE * WIDE;
-        for (ys, out) in ys[..wide]
-            .chunks_exact(WIDE)
-            .zip(out.chunks_exact_mut(WIDE))
-        {
-            tile::<WIDE>(w, ys, out);
-        }
-        let (ys, out) = (&ys[wide..], &mut out[wide..]);
-        by_tiles!(tile, 8, w, ys, out)
+        by_wide_tiles!(tile, w, ys, out)
     }
 
     #[inline]
@@ -322,20 +307,7 @@ mod avx512_vnni {
             let wd = _mm512_cvtph_ps(_mm256_loadu_si256(w.d.as_ptr().add(at) as *const __m256i));
             let wm = _mm512_cvtph_ps(_mm256_loadu_si256(w.m.as_ptr().add(at) as *const __m256i));
             each_row!(N, |r| {
-                let y = qs[r].add(b * 8);
-                // Two chains of four, so one row's sums do not wait on one another.
-                let mut lo = _mm512_setzero_si512();
-                let mut hi = _mm512_setzero_si512();
-                for p in 0..4 {
-                    lo =
-                        _mm512_dpbusd_epi32(lo, q[p], _mm512_set1_epi32(y.add(p).read_unaligned()));
-                    hi = _mm512_dpbusd_epi32(
-                        hi,
-                        q[p + 4],
-                        _mm512_set1_epi32(y.add(p + 4).read_unaligned()),
-                    );
-                }
-                let sumi = _mm512_add_epi32(lo, hi);
+                let sumi = block_dot_512(&q, qs[r].add(b * 8));
                 acc[r] = block_terms(acc[r], sumi, (wd, wm), (*ds[r].add(b), *ss[r].add(b)));
             });
         }

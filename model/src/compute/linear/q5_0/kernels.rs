@@ -207,24 +207,12 @@ mod avx2 {
 #[cfg(target_arch = "x86_64")]
 mod avx512_vnni {
     use super::{Q5Row, Q5_0Group, BLOCK_MASKS, BLOCK_QS, GROUP_ROWS, PART_BYTES};
-    use crate::compute::linear::prefetch_ahead;
+    use crate::compute::linear::{block_dot_512, prefetch_ahead};
     use std::arch::x86_64::*;
-
-    /// Activation rows of the widest tile.
-    const WIDE: usize = 16;
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn group_dots(w: Q5_0Group<'_>, ys: &[Q5Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
-        // As for Q4_1: sixteen rows a tile unpack each block once for all of them, the rest in tiles of eight.
-        let wide = ys.len() / WIDE * WIDE;
-        for (ys, out) in ys[..wide]
-            .chunks_exact(WIDE)
-            .zip(out.chunks_exact_mut(WIDE))
-        {
-            tile::<WIDE>(w, ys, out);
-        }
-        let (ys, out) = (&ys[wide..], &mut out[wide..]);
-        by_tiles!(tile, 8, w, ys, out)
+        by_wide_tiles!(tile, w, ys, out)
     }
 
     #[inline]
@@ -258,21 +246,8 @@ mod avx512_vnni {
                 w.d.as_ptr().add(b * GROUP_ROWS) as *const __m256i
             ));
             each_row!(N, |r| {
-                let y = qs[r].add(b * 8);
-                // Two chains of four, so one row's sums do not wait on one another.
-                let mut lo = _mm512_setzero_si512();
-                let mut hi = _mm512_setzero_si512();
-                for p in 0..4 {
-                    lo =
-                        _mm512_dpbusd_epi32(lo, q[p], _mm512_set1_epi32(y.add(p).read_unaligned()));
-                    hi = _mm512_dpbusd_epi32(
-                        hi,
-                        q[p + 4],
-                        _mm512_set1_epi32(y.add(p + 4).read_unaligned()),
-                    );
-                }
                 let sumi = _mm512_sub_epi32(
-                    _mm512_add_epi32(lo, hi),
+                    block_dot_512(&q, qs[r].add(b * 8)),
                     _mm512_set1_epi32(16 * *sums[r].add(b)),
                 );
                 let term = _mm512_mul_ps(

@@ -16,7 +16,6 @@ use super::q8_1::{Q8Rows, QK8_1};
 use super::{interleaved, GROUP_ROWS, PART_BYTES};
 use crate::error::{ModelError, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{CpuStorage, CustomOp1, Layout, Shape};
 use half::f16;
 
 /// Values per block.
@@ -210,28 +209,13 @@ impl Q5_0Matrix {
     }
 }
 
-impl CustomOp1 for Q5_0Matrix {
-    fn name(&self) -> &'static str {
-        "petal-q5_0-matmul"
-    }
-
-    fn cpu_fwd(
-        &self,
-        storage: &CpuStorage,
-        layout: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let dims = (self.rows, self.cols);
-        super::cpu_matmul("q5_0 matmul", dims, storage, layout, |x, m| {
-            self.matmul(x, m)
-        })
-    }
-}
+matmul_op!(Q5_0Matrix, "petal-q5_0-matmul");
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::quantized::{QMatMul, QTensor};
-    use candle_core::{Device, Tensor};
+    use candle_core::Device;
 
     use super::super::{candle_product, test_matrix as random};
 
@@ -244,19 +228,7 @@ mod tests {
     #[test]
     fn dequantizes_bit_for_bit_like_candle() {
         let (q, m) = q5_0(37, 96);
-        let want = q
-            .dequantize(&Device::Cpu)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        let got = m.dequantize();
-        assert_eq!(got.len(), want.len());
-        assert!(got
-            .iter()
-            .zip(&want)
-            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        super::super::assert_dequantizes_like_candle(&q, &m.dequantize());
     }
 
     #[test]
@@ -331,11 +303,7 @@ mod tests {
     #[test]
     fn as_a_tensor_op_keeps_leading_dims_and_refuses_wrong_widths() {
         let (_, m) = q5_0(16, 64);
-        let x = Tensor::zeros((2, 3, 64), candle_core::DType::F32, &Device::Cpu).unwrap();
-        let y = x.apply_op1_no_bwd(&m).unwrap();
-        assert_eq!(y.dims(), &[2, 3, 16]);
-        let bad = Tensor::zeros((2, 32), candle_core::DType::F32, &Device::Cpu).unwrap();
-        assert!(bad.apply_op1_no_bwd(&m).is_err());
+        super::super::assert_op_shapes(&m, 16, 64);
         assert!(Q5_0Matrix::from_bytes(&[0; 21], 1, 32).is_err());
     }
 }
