@@ -40,12 +40,11 @@ const WAKE_SPIN: Duration = Duration::from_micros(400);
 /// Call it before any other thread of the process exists: changing the environment while another thread reads it
 /// is undefined behaviour in libc.
 pub fn pin_thread_count() {
-    if std::env::var_os("RAYON_NUM_THREADS").is_some() {
-        return;
-    }
-    if let Ok(n) = std::thread::available_parallelism() {
-        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-    }
+    set_unless_set("RAYON_NUM_THREADS", || {
+        std::thread::available_parallelism()
+            .ok()
+            .map(|n| n.to_string())
+    });
 }
 
 /// Sets `CANDLE_NUM_THREADS` to 1, when it is unset, so that candle's quantized CPU matmuls run on the thread that
@@ -57,8 +56,15 @@ pub fn pin_thread_count() {
 /// tokens/s with that pool, 240 with its workers not spinning). Binaries call this first thing in `main`, as
 /// [`pin_thread_count`], with the same care: no other thread may exist yet.
 pub fn keep_candle_on_our_threads() {
-    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
-        std::env::set_var("CANDLE_NUM_THREADS", "1");
+    set_unless_set("CANDLE_NUM_THREADS", || Some("1".into()));
+}
+
+/// Sets the environment variable `name` to `value()` (when that gives one) unless the user set it already.
+fn set_unless_set(name: &str, value: impl FnOnce() -> Option<String>) {
+    if std::env::var_os(name).is_none() {
+        if let Some(value) = value() {
+            std::env::set_var(name, value);
+        }
     }
 }
 

@@ -16,6 +16,8 @@ pub struct Q8Rows {
     pub d: Vec<f32>,
     pub s: Vec<f32>,
     pub qs: Vec<[i8; QK8_1]>,
+    /// Each block's `sum(qs)` itself, exact (the Q5_0 product takes `16 * sum` off its unsigned sums).
+    pub sum: Vec<i32>,
     /// `d` and `s` again, block by block, each repeated in eight lanes; empty unless asked for (only the 256-bit
     /// kernels read them).
     pub splat: Vec<SplatScales>,
@@ -27,6 +29,7 @@ pub struct Q8Row<'a> {
     pub d: &'a [f32],
     pub s: &'a [f32],
     pub qs: &'a [[i8; QK8_1]],
+    pub sum: &'a [i32],
     pub splat: &'a [SplatScales],
 }
 
@@ -65,9 +68,16 @@ impl Q8Rows {
             d: vec![0.0; n],
             s: vec![0.0; n],
             qs: vec![[0; QK8_1]; n],
+            sum: vec![0; n],
             splat: vec![SplatScales::default(); if with_splat_scales { n } else { 0 }],
         };
-        let (d, s, qs, splat) = (&mut rows.d, &mut rows.s, &mut rows.qs, &mut rows.splat);
+        let (d, s, qs, sum, splat) = (
+            &mut rows.d,
+            &mut rows.s,
+            &mut rows.qs,
+            &mut rows.sum,
+            &mut rows.splat,
+        );
         // Each block is quantized on its own, so splitting the work changes nothing. For a batch of 16 decode rows
         // (288 to 768 blocks) one thread would take 4 to 10 µs, but the pool's other threads would fall asleep
         // meanwhile, and the matmul's first groups then wait for them to wake (a trace of the 16-session test: its
@@ -77,20 +87,21 @@ impl Q8Rows {
                 .par_chunks(QK8_1 * TASK_BLOCKS)
                 .zip(d.par_chunks_mut(TASK_BLOCKS))
                 .zip(s.par_chunks_mut(TASK_BLOCKS))
-                .zip(qs.par_chunks_mut(TASK_BLOCKS));
+                .zip(qs.par_chunks_mut(TASK_BLOCKS))
+                .zip(sum.par_chunks_mut(TASK_BLOCKS));
             // Zipped with an empty `splat`, the tasks would be none at all: two arms.
             if with_splat_scales {
                 tasks.zip(splat.par_chunks_mut(TASK_BLOCKS)).for_each(
-                    |((((x, d), s), qs), splat)| {
-                        quantize_blocks(x, d, s, qs);
+                    |(((((x, d), s), qs), sum), splat)| {
+                        quantize_blocks(x, d, s, qs, sum);
                         splat_scales(d, s, splat);
                     },
                 );
             } else {
-                tasks.for_each(|(((x, d), s), qs)| quantize_blocks(x, d, s, qs));
+                tasks.for_each(|((((x, d), s), qs), sum)| quantize_blocks(x, d, s, qs, sum));
             }
         } else {
-            quantize_blocks(x, d, s, qs);
+            quantize_blocks(x, d, s, qs, sum);
             // Nothing to write when they were not asked for (`splat` is empty).
             splat_scales(d, s, splat);
         }
@@ -103,6 +114,7 @@ impl Q8Rows {
             d: &self.d[r.clone()],
             s: &self.s[r.clone()],
             qs: &self.qs[r.clone()],
+            sum: &self.sum[r.clone()],
             // Empty when they were not asked for.
             splat: if self.splat.is_empty() {
                 &[]
@@ -120,15 +132,21 @@ fn splat_scales(d: &[f32], s: &[f32], splat: &mut [SplatScales]) {
     }
 }
 
-/// Consecutive blocks of `x` into `d`, `s` and `qs`.
-fn quantize_blocks(x: &[f32], d: &mut [f32], s: &mut [f32], qs: &mut [[i8; QK8_1]]) {
+/// Consecutive blocks of `x` into `d`, `s`, `qs` and `sum`.
+fn quantize_blocks(
+    x: &[f32],
+    d: &mut [f32],
+    s: &mut [f32],
+    qs: &mut [[i8; QK8_1]],
+    sum: &mut [i32],
+) {
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
         target_feature = "f16c"
     ))]
     // SAFETY: the build enables AVX2 and F16C (x86-64-v3, see `scale_round`).
-    let done = unsafe { avx2::quantize_eights(x, d, s, qs) };
+    let done = unsafe { avx2::quantize_eights(x, d, s, qs, sum) };
     #[cfg(not(all(
         target_arch = "x86_64",
         target_feature = "avx2",
@@ -136,23 +154,24 @@ fn quantize_blocks(x: &[f32], d: &mut [f32], s: &mut [f32], qs: &mut [[i8; QK8_1
     )))]
     let done = 0;
     let x = x.chunks_exact(QK8_1).skip(done);
-    for (((xs, d), s), qs) in x
+    for ((((xs, d), s), qs), sum) in x
         .zip(&mut d[done..])
         .zip(&mut s[done..])
         .zip(&mut qs[done..])
+        .zip(&mut sum[done..])
     {
-        (*d, *s) = quantize_block(xs, qs);
+        (*d, *s, *sum) = quantize_block(xs, qs);
     }
 }
 
-/// One block: returns `(d, s)` as the f32 values of their halves.
-fn quantize_block(xs: &[f32], qs: &mut [i8; QK8_1]) -> (f32, f32) {
+/// One block: returns `(d, s)` as the f32 values of their halves, and `sum(qs)`.
+fn quantize_block(xs: &[f32], qs: &mut [i8; QK8_1]) -> (f32, f32, i32) {
     let d = abs_max(xs) / 127.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     let sum = scale_round(xs, id, qs);
     let d = f16::from_f32(d);
     let s = f16::from_f32(sum as f32) * d;
-    (d.to_f32(), s.to_f32())
+    (d.to_f32(), s.to_f32(), sum)
 }
 
 /// `qs[i] = round(xs[i] * id) as i8` (half away from zero; NaN to 0) and the sum of the `qs`.
@@ -202,8 +221,15 @@ mod avx2 {
         d: &mut [f32],
         s: &mut [f32],
         qs: &mut [[i8; QK8_1]],
+        sum: &mut [i32],
     ) -> usize {
-        let n = (x.len() / QK8_1).min(d.len()).min(s.len()).min(qs.len()) / 8 * 8;
+        let n = (x.len() / QK8_1)
+            .min(d.len())
+            .min(s.len())
+            .min(qs.len())
+            .min(sum.len())
+            / 8
+            * 8;
         let block = |i: usize| &*(x.as_ptr().add(i * QK8_1) as *const [f32; QK8_1]);
         for first in (0..n).step_by(8) {
             let amax: [f32; 8] = std::array::from_fn(|j| abs_max(block(first + j)));
@@ -224,6 +250,7 @@ mod avx2 {
             )));
             _mm256_storeu_ps(d.as_mut_ptr().add(first), d16);
             _mm256_storeu_ps(s.as_mut_ptr().add(first), s16);
+            sum[first..first + 8].copy_from_slice(&sums);
         }
         n
     }
@@ -308,7 +335,12 @@ mod tests {
             let qs: Vec<i8> = xs.iter().map(|x| (x * id).round() as i8).collect();
             let sum: i32 = qs.iter().map(|&q| q as i32).sum();
             let d = f16::from_f32(d);
-            (qs, d.to_f32(), (f16::from_f32(sum as f32) * d).to_f32())
+            (
+                qs,
+                d.to_f32(),
+                (f16::from_f32(sum as f32) * d).to_f32(),
+                sum,
+            )
         };
         let mut seed = 1u64;
         let mut next = || {
@@ -346,11 +378,11 @@ mod tests {
         }
         for xs in &blocks {
             let mut qs = [0i8; QK8_1];
-            let (d, s) = quantize_block(xs, &mut qs);
-            let (want_qs, want_d, want_s) = reference(xs);
+            let (d, s, sum) = quantize_block(xs, &mut qs);
+            let (want_qs, want_d, want_s, want_sum) = reference(xs);
             assert_eq!(
-                (qs.to_vec(), d.to_bits(), s.to_bits()),
-                (want_qs, want_d.to_bits(), want_s.to_bits()),
+                (qs.to_vec(), d.to_bits(), s.to_bits(), sum),
+                (want_qs, want_d.to_bits(), want_s.to_bits(), want_sum),
                 "{xs:?}"
             );
         }
@@ -362,14 +394,15 @@ mod tests {
                 assert!(rows.splat.is_empty() && rows.row(0).splat.is_empty());
             }
             for (i, xs) in blocks.iter().enumerate() {
-                let (want_qs, want_d, want_s) = reference(xs);
+                let (want_qs, want_d, want_s, want_sum) = reference(xs);
                 assert_eq!(
                     (
                         rows.qs[i].to_vec(),
                         rows.d[i].to_bits(),
-                        rows.s[i].to_bits()
+                        rows.s[i].to_bits(),
+                        rows.sum[i]
                     ),
-                    (want_qs, want_d.to_bits(), want_s.to_bits()),
+                    (want_qs, want_d.to_bits(), want_s.to_bits(), want_sum),
                     "block {i} of {m} rows: {xs:?}"
                 );
                 if !with_splat_scales {

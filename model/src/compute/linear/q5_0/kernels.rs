@@ -4,20 +4,12 @@
 //! As for Q4_1 ([`super::super::q4_1::Kernel`]), each vector lane belongs to a weight row and meets activation bytes
 //! broadcast to every lane. A weight's five bits are its nibble with the fifth bit added where its part's mask says,
 //! an unsigned byte up to 31; the product against the signed activations is taken unsigned, and the offset of 16 is
-//! taken off after: `sum((q - 16) * y) = sum(q * y) - 16 * sum(y)`, with each activation block's `sum(y)` counted
-//! once per matmul. Integer sums are exact, so every kernel gives the reference's result bit for bit: each row's
+//! taken off after: `sum((q - 16) * y) = sum(q * y) - 16 * sum(y)`, each activation block's `sum(y)` as its
+//! quantization counted it (`Q8Row::sum`). Integer sums are exact, so every kernel gives the reference's result bit for bit: each row's
 //! float terms `(sumi * d_w) * d_y` formed and added in the reference's order (one lane, block after block, no fused
 //! multiply-add), as candle's `vec_dot_q5_0_q8_0` does.
+use super::super::q8_1::Q8Row;
 use super::{Q5_0Group, BLOCK_MASKS, BLOCK_QS, GROUP_ROWS, PART_BYTES};
-
-/// One row of Q8_0 activations for these kernels: per block, the scale `d` (the f32 value of its half), the 32
-/// signed bytes and their sum.
-#[derive(Debug, Clone, Copy)]
-pub struct Q5Row<'a> {
-    pub d: &'a [f32],
-    pub qs: &'a [[i8; 32]],
-    pub sum: &'a [i32],
-}
 
 /// The best kernel this CPU runs, detected once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,7 +44,7 @@ impl Kernel {
     }
 
     /// `out[r][k] = dot(row k of w, ys[r])` for every activation row, each as long as `w`'s rows.
-    pub fn group_dots(self, w: Q5_0Group<'_>, ys: &[Q5Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+    pub fn group_dots(self, w: Q5_0Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
         let nb = w.blocks();
         assert!(
             w.qs.len() == nb * BLOCK_QS
@@ -77,7 +69,7 @@ impl Kernel {
 /// The reference, in ggml's generic `vec_dot_q5_0_q8_0` order of operations (candle's too), on the interleaved
 /// layout: byte `t` of lane `k` in part `p` of a block is byte `4p + t` of row `k`'s ggml nibbles, whose low nibble is
 /// value `4p + t` (fifth bit: bit `4k + t` of mask `p`) and high nibble value `4p + t + 16` (of mask `p + 4`).
-fn group_scalar(w: Q5_0Group<'_>, ys: &[Q5Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+fn group_scalar(w: Q5_0Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
     for (y, o) in ys.iter().zip(out.iter_mut()) {
         for (k, o) in o.iter_mut().enumerate() {
             let mut sum = 0f32;
@@ -105,7 +97,7 @@ fn group_scalar(w: Q5_0Group<'_>, ys: &[Q5Row<'_>], out: &mut [[f32; GROUP_ROWS]
 /// that covers its lanes, spread to bytes.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{Q5Row, Q5_0Group, BLOCK_MASKS, BLOCK_QS, GROUP_ROWS, PART_BYTES};
+    use super::{Q5_0Group, Q8Row, BLOCK_MASKS, BLOCK_QS, GROUP_ROWS, PART_BYTES};
     use crate::compute::linear::prefetch_ahead;
     use std::arch::x86_64::*;
 
@@ -113,7 +105,7 @@ mod avx2 {
     const LANES: usize = 8;
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn group_dots(w: Q5_0Group<'_>, ys: &[Q5Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+    pub unsafe fn group_dots(w: Q5_0Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
         by_tiles!(tile, 8, w, ys, out)
     }
 
@@ -142,7 +134,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile<const N: usize>(
         w: Q5_0Group<'_>,
-        ys: &[Q5Row<'_>],
+        ys: &[Q8Row<'_>],
         out: &mut [[f32; GROUP_ROWS]],
     ) {
         let mask = _mm256_set1_epi8(0x0F);
@@ -206,12 +198,12 @@ mod avx2 {
 /// Sixteen lanes per vector: the whole group at once, each part's fifth bits added by one masked add.
 #[cfg(target_arch = "x86_64")]
 mod avx512_vnni {
-    use super::{Q5Row, Q5_0Group, BLOCK_MASKS, BLOCK_QS, GROUP_ROWS, PART_BYTES};
+    use super::{Q5_0Group, Q8Row, BLOCK_MASKS, BLOCK_QS, GROUP_ROWS, PART_BYTES};
     use crate::compute::linear::{block_dot_512, prefetch_ahead};
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-    pub unsafe fn group_dots(w: Q5_0Group<'_>, ys: &[Q5Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+    pub unsafe fn group_dots(w: Q5_0Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
         by_wide_tiles!(tile, w, ys, out)
     }
 
@@ -219,7 +211,7 @@ mod avx512_vnni {
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     unsafe fn tile<const N: usize>(
         w: Q5_0Group<'_>,
-        ys: &[Q5Row<'_>],
+        ys: &[Q8Row<'_>],
         out: &mut [[f32; GROUP_ROWS]],
     ) {
         let mask = _mm512_set1_epi8(0x0F);

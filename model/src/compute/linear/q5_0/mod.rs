@@ -10,9 +10,9 @@
 //! masked add puts every row's fifth bits in place at once. Twenty-two bytes a block, as in the file.
 mod kernels;
 
-pub use kernels::{Kernel, Q5Row};
+pub use kernels::Kernel;
 
-use super::q8_1::{Q8Rows, QK8_1};
+use super::q8_1::{Q8Row, Q8Rows, QK8_1};
 use super::{interleaved, GROUP_ROWS, PART_BYTES};
 use crate::error::{ModelError, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -188,21 +188,7 @@ impl Q5_0Matrix {
         debug_assert_eq!(self.cols % QK8_1, 0);
         // Candle quantizes the activations to Q8_0 for this product; Q8_1's scales and bytes are the same values.
         let xq = Q8Rows::quantize(x, m, false);
-        let sums: Vec<i32> = xq
-            .qs
-            .iter()
-            .map(|b| b.iter().map(|&v| v as i32).sum())
-            .collect();
-        let rows: Vec<Q5Row<'_>> = (0..m)
-            .map(|i| {
-                let r = xq.row(i);
-                Q5Row {
-                    d: r.d,
-                    qs: r.qs,
-                    sum: &sums[i * xq.blocks..(i + 1) * xq.blocks],
-                }
-            })
-            .collect();
+        let rows: Vec<Q8Row<'_>> = (0..m).map(|i| xq.row(i)).collect();
         super::matmul_by_groups(self.rows, m, |g, tile, out| {
             kernel.group_dots(self.group(g), &rows[tile], out)
         })
