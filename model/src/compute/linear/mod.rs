@@ -358,6 +358,20 @@ pub(crate) fn matmul_by_groups(
     out
 }
 
+/// [`matmul_by_groups`] for the kernels that take activations as [`q8_1::Q8Rows`] (Q4_1, Q5_0): `x` (`[m, k]`)
+/// quantized once, with the 256-bit kernels' splat scales when `splat`, and `dots(group, rows, out)` for each
+/// group and tile of rows.
+pub(crate) fn matmul_q8_rows(
+    n: usize,
+    (x, m): (&[f32], usize),
+    splat: bool,
+    dots: impl Fn(usize, &[q8_1::Q8Row<'_>], &mut [[f32; GROUP_ROWS]]) + Sync,
+) -> Vec<f32> {
+    let xq = q8_1::Q8Rows::quantize(x, m, splat);
+    let rows: Vec<q8_1::Q8Row<'_>> = (0..m).map(|i| xq.row(i)).collect();
+    matmul_by_groups(n, m, |g, tile, out| dots(g, &rows[tile], out))
+}
+
 /// The output buffer, shared by tasks that write disjoint columns.
 struct SharedOut(*mut f32);
 // SAFETY: tasks write disjoint elements and the buffer outlives the parallel loop that uses it.

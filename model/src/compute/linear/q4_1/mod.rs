@@ -13,7 +13,7 @@ pub use kernels::Kernel;
 
 use super::{interleaved, GROUP_ROWS, PART_BYTES};
 
-use super::q8_1::{Q8Row, Q8Rows, QK8_1};
+use super::q8_1::QK8_1;
 use crate::error::{ModelError, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
@@ -156,11 +156,12 @@ impl Q4_1Matrix {
     pub fn matmul_with(&self, kernel: Kernel, x: &[f32], m: usize) -> Vec<f32> {
         debug_assert_eq!(x.len(), m * self.cols);
         debug_assert_eq!(self.cols % QK8_1, 0);
-        let xq = Q8Rows::quantize(x, m, kernel.reads_splat_scales());
-        let rows: Vec<Q8Row<'_>> = (0..m).map(|i| xq.row(i)).collect();
-        super::matmul_by_groups(self.rows, m, |g, tile, out| {
-            kernel.group_dots(self.group(g), &rows[tile], out)
-        })
+        super::matmul_q8_rows(
+            self.rows,
+            (x, m),
+            kernel.reads_splat_scales(),
+            |g, rows, out| kernel.group_dots(self.group(g), rows, out),
+        )
     }
 }
 

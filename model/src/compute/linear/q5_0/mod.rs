@@ -12,7 +12,7 @@ mod kernels;
 
 pub use kernels::Kernel;
 
-use super::q8_1::{Q8Row, Q8Rows, QK8_1};
+use super::q8_1::QK8_1;
 use super::{interleaved, GROUP_ROWS, PART_BYTES};
 use crate::error::{ModelError, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -187,10 +187,8 @@ impl Q5_0Matrix {
         debug_assert_eq!(x.len(), m * self.cols);
         debug_assert_eq!(self.cols % QK8_1, 0);
         // Candle quantizes the activations to Q8_0 for this product; Q8_1's scales and bytes are the same values.
-        let xq = Q8Rows::quantize(x, m, false);
-        let rows: Vec<Q8Row<'_>> = (0..m).map(|i| xq.row(i)).collect();
-        super::matmul_by_groups(self.rows, m, |g, tile, out| {
-            kernel.group_dots(self.group(g), &rows[tile], out)
+        super::matmul_q8_rows(self.rows, (x, m), false, |g, rows, out| {
+            kernel.group_dots(self.group(g), rows, out)
         })
     }
 }
