@@ -166,9 +166,12 @@ fn gguf_spans_match_quantized_llama(path: &std::path::Path, spans: &[(usize, usi
     compare(&mut ours, oracle, &prompt);
 }
 
-/// SmolLM2's GGUF with every Q4_1 matrix requantized to Q5_0 (what llama.cpp's Q4_K_M holds for most matrices
-/// 576 wide), written to `dir`; the other tensors as they are.
-fn smollm_as_q5_0(dir: &std::path::Path) -> std::path::PathBuf {
+/// SmolLM2's GGUF with every Q4_1 matrix requantized to `dtype` by candle, written to `dir`; the other tensors as
+/// they are.
+fn smollm_requantized(
+    dir: &std::path::Path,
+    dtype: candle_core::quantized::GgmlDType,
+) -> std::path::PathBuf {
     use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
     let dev = Device::Cpu;
     let mut file = std::fs::File::open(smollm_gguf()).unwrap();
@@ -180,7 +183,7 @@ fn smollm_as_q5_0(dir: &std::path::Path) -> std::path::PathBuf {
         .map(|name| {
             let q = content.tensor(&mut file, name, &dev).unwrap();
             let q = if q.dtype() == GgmlDType::Q4_1 {
-                QTensor::quantize(&q.dequantize(&dev).unwrap(), GgmlDType::Q5_0).unwrap()
+                QTensor::quantize(&q.dequantize(&dev).unwrap(), dtype).unwrap()
             } else {
                 q
             };
@@ -193,26 +196,37 @@ fn smollm_as_q5_0(dir: &std::path::Path) -> std::path::PathBuf {
         .map(|(k, v)| (k.as_str(), v))
         .collect();
     let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, q)| (n.as_str(), q)).collect();
-    let path = dir.join("smollm2-q5_0.gguf");
+    let path = dir.join(format!("smollm2-{dtype:?}.gguf"));
     let mut out = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
     gguf_file::write(&mut out, &metadata, &tensors).unwrap();
     drop(out);
     path
 }
 
-/// Q5_0 matrices go through our kernels (candle's product is its scalar loop): the spans must still give the
-/// monolithic model's logits and tokens.
-#[test]
-fn q5_0_gguf_spans_match_candle_quantized_llama() {
+/// The block matrices of SmolLM2 requantized to `dtype` (on our kernels) against candle's `quantized_llama` of the
+/// same file: the spans must still give the monolithic model's logits and tokens.
+fn requantized_spans_match_quantized_llama(dtype: candle_core::quantized::GgmlDType) {
     let dir = tempfile::tempdir().unwrap();
-    let path = smollm_as_q5_0(dir.path());
+    let path = smollm_requantized(dir.path(), dtype);
     let mut file = std::fs::File::open(&path).unwrap();
     let content = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
-    let q5_0 = content
+    let requantized = content
         .tensor_infos
         .values()
-        .filter(|t| t.ggml_dtype == candle_core::quantized::GgmlDType::Q5_0)
+        .filter(|t| t.ggml_dtype == dtype)
         .count();
-    assert_eq!(q5_0, 210, "every block matrix in Q5_0");
+    assert_eq!(requantized, 210, "every block matrix in {dtype:?}");
     gguf_spans_match_quantized_llama(&path, &[(0, 12), (12, 30)]);
+}
+
+/// Q5_0: most of what llama.cpp's Q4_K_M holds for matrices 576 wide (candle's product is its scalar loop).
+#[test]
+fn q5_0_gguf_spans_match_candle_quantized_llama() {
+    requantized_spans_match_quantized_llama(candle_core::quantized::GgmlDType::Q5_0);
+}
+
+/// Q4_0: candle's product is its AVX2 loop, one weight row at a time; ours keep its order of operations.
+#[test]
+fn q4_0_gguf_spans_match_candle_quantized_llama() {
+    requantized_spans_match_quantized_llama(candle_core::quantized::GgmlDType::Q4_0);
 }

@@ -1,4 +1,4 @@
-//! Candle's quantized CPU matmul for the formats our kernels do not take (the K-quants, Q4_0, Q5_1), run on the
+//! Candle's quantized CPU matmul for the formats our kernels do not take (the K-quants, Q5_1), run on the
 //! calling compute pool's threads: the matrix's rows in parts, one task of the pool per part, each part's product
 //! candle's own.
 //!
@@ -84,7 +84,7 @@ mod tests {
             GgmlDType::Q4K,
             GgmlDType::Q6K,
             GgmlDType::Q5K,
-            GgmlDType::Q4_0,
+            GgmlDType::Q3K,
             GgmlDType::Q5_1,
         ] {
             let q = Arc::new(QTensor::quantize(&test_matrix(80, 512, 3), dtype).unwrap());

@@ -1,5 +1,5 @@
 //! Matmul weights (`y = x W^T`): candle's `QMatMul`, or our own CPU kernels for the formats where candle's are
-//! slow (Q4_1 and Q5_0: its generic scalar loops; Q8_0: a weight row at a time, on a second thread pool): weights
+//! slow (Q4_1 and Q5_0: its generic scalar loops; Q4_0 and Q8_0: a weight row at a time, untiled): weights
 //! repacked into groups of [`GROUP_ROWS`] interleaved rows, one task per group ([`matmul_by_groups`]).
 
 // Defined before the kernels' modules, which use it (a `macro_rules!` is visible only after its definition).
@@ -148,6 +148,7 @@ macro_rules! matmul_op {
 
 mod amx;
 mod candle_rows;
+pub mod q4_0;
 pub mod q4_1;
 pub mod q5_0;
 pub mod q8_0;
@@ -155,6 +156,7 @@ pub mod q8_1;
 mod stacked;
 
 pub use candle_rows::CandleRows;
+pub use q4_0::Q4_0Matrix;
 pub use q4_1::Q4_1Matrix;
 pub use q5_0::Q5_0Matrix;
 pub use q8_0::Q8_0Matrix;
@@ -171,6 +173,7 @@ pub enum Linear {
     Candle(QMatMul),
     /// Candle's product, a part of the rows on each thread of the calling pool.
     CandleRows(Arc<CandleRows>),
+    Q4_0(Arc<Q4_0Matrix>),
     Q4_1(Arc<Q4_1Matrix>),
     Q5_0(Arc<Q5_0Matrix>),
     Q8_0(Arc<Q8_0Matrix>),
@@ -180,6 +183,9 @@ impl Linear {
     /// A quantized weight: ours where we have a kernel for its format on this device, else candle's.
     pub fn quantized(q: Arc<QTensor>, device: &Device) -> Result<Self> {
         if device.is_cpu() {
+            if let Some(m) = Q4_0Matrix::from_qtensor(&q)? {
+                return Ok(Self::Q4_0(Arc::new(m)));
+            }
             if let Some(m) = Q4_1Matrix::from_qtensor(&q)? {
                 return Ok(Self::Q4_1(Arc::new(m)));
             }
@@ -217,7 +223,10 @@ impl Linear {
     /// (our kernels quantize activations by row and form each output as one row's dot product; candle's kernels
     /// may take another path for more rows).
     pub fn rows_independent(&self) -> bool {
-        matches!(self, Self::Q4_1(_) | Self::Q5_0(_) | Self::Q8_0(_))
+        matches!(
+            self,
+            Self::Q4_0(_) | Self::Q4_1(_) | Self::Q5_0(_) | Self::Q8_0(_)
+        )
     }
 
     /// `x`: `[..., in]` to `[..., out]`.
@@ -225,6 +234,7 @@ impl Linear {
         Ok(match self {
             Self::Candle(m) => m.forward(x)?,
             Self::CandleRows(m) => m.forward(x)?,
+            Self::Q4_0(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
             Self::Q4_1(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
             Self::Q5_0(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
             Self::Q8_0(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,

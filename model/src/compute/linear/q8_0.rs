@@ -308,7 +308,7 @@ fn group_scalar(w: Q8_0Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32; GROUP_ROW
 
 /// Eight float lanes summed in the order of an AVX2 horizontal sum (`_mm256` halves, then pairs, then the two
 /// left).
-fn hsum_lanes(a: [f32; 8]) -> f32 {
+pub(super) fn hsum_lanes(a: [f32; 8]) -> f32 {
     let r: [f32; 4] = std::array::from_fn(|i| a[i + 4] + a[i]);
     (r[0] + r[2]) + (r[1] + r[3])
 }
