@@ -420,6 +420,80 @@ pub(crate) fn block_count(
     Ok(n)
 }
 
+/// One of our matrix types built from ggml's blocks, row by row, that gives them back: all that stacking several
+/// into one takes.
+pub trait Repacked: Sized {
+    /// The format's name, for errors.
+    const FORMAT: &'static str;
+
+    /// Repacks raw ggml blocks (row by row) into interleaved groups.
+    fn from_bytes(data: &[u8], rows: usize, cols: usize) -> Result<Self>;
+
+    /// The matrix as ggml's row-by-row blocks again: the bytes [`Self::from_bytes`] took.
+    fn to_bytes(&self) -> Vec<u8>;
+
+    fn rows(&self) -> usize;
+
+    fn cols(&self) -> usize;
+
+    /// The rows of several matrices of the same width, one after another: one matmul instead of several over
+    /// the same input (queries, keys and values; gate and up).
+    fn concat_rows(parts: &[&Self]) -> Result<Self> {
+        let cols = parts.first().map(|p| p.cols()).unwrap_or(0);
+        if parts.iter().any(|p| p.cols() != cols) {
+            return Err(crate::error::ModelError::Config(format!(
+                "{} matrices of different widths cannot be stacked",
+                Self::FORMAT
+            )));
+        }
+        let bytes: Vec<u8> = parts.iter().flat_map(|p| p.to_bytes()).collect();
+        Self::from_bytes(&bytes, parts.iter().map(|p| p.rows()).sum(), cols)
+    }
+}
+
+/// Nibble bytes of one block of an interleaved group (Q4_0, Q4_1, Q5_0): four parts.
+pub(crate) const NIBBLE_BLOCK_QS: usize = 4 * PART_BYTES;
+
+/// Writes a block's sixteen nibble bytes (ggml's order) as lane `k` of block `at` of an interleaved group: byte
+/// `4p + t` to byte `t` of the lane in part `p`.
+pub(crate) fn put_nibbles(qs: &mut [u8], (at, k): (usize, usize), bytes: &[u8]) {
+    for (p, bytes) in bytes.chunks_exact(4).enumerate() {
+        let q = at * NIBBLE_BLOCK_QS + p * PART_BYTES + 4 * k;
+        qs[q..q + 4].copy_from_slice(bytes);
+    }
+}
+
+/// The sixteen nibble bytes of lane `k` of block `at`, in ggml's order again ([`put_nibbles`] undone).
+pub(crate) fn nibbles(qs: &[u8], (at, k): (usize, usize)) -> impl Iterator<Item = &u8> {
+    (0..4).flat_map(move |p| {
+        let q = at * NIBBLE_BLOCK_QS + p * PART_BYTES + 4 * k;
+        &qs[q..q + 4]
+    })
+}
+
+/// `a`, repacked from `q`, gives `q`'s bytes back, and `a` stacked over `b` gives each one's outputs bit for bit
+/// (`matmul`: the type's product). With 37 rows in `a`, `b`'s rows start inside `a`'s last group.
+#[cfg(test)]
+pub(crate) fn assert_repacks_and_stacks<M: Repacked>(
+    (q, a): (&QTensor, &M),
+    b: &M,
+    matmul: impl Fn(&M, &[f32], usize) -> Vec<f32>,
+) {
+    assert_eq!(a.to_bytes(), q.data().expect("the tensor's bytes").to_vec());
+    let both = M::concat_rows(&[a, b]).expect("stacked rows");
+    let (ra, rb, cols) = (a.rows(), b.rows(), a.cols());
+    assert_eq!((both.rows(), both.cols()), (ra + rb, cols));
+    let x: Vec<f32> = test_matrix(3, cols, 5)
+        .flatten_all()
+        .and_then(|t| t.to_vec1())
+        .expect("activations");
+    let (ya, yb, y) = (matmul(a, &x, 3), matmul(b, &x, 3), matmul(&both, &x, 3));
+    for (r, y) in y.chunks_exact(ra + rb).enumerate() {
+        assert_eq!(y[..ra], ya[r * ra..(r + 1) * ra]);
+        assert_eq!(y[ra..], yb[r * rb..(r + 1) * rb]);
+    }
+}
+
 /// Reproducible uniform values in [-0.5, 0.5) for the kernels' tests.
 #[cfg(test)]
 pub(crate) fn test_matrix(rows: usize, cols: usize, seed: u64) -> Tensor {

@@ -316,7 +316,7 @@ pub(super) fn hsum_lanes(a: [f32; 8]) -> f32 {
 /// Eight lanes (weight rows) per vector: the group in two halves, one activation row at a time (its eight sums
 /// per row take eight registers).
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(super) mod avx2 {
     use super::{Q8_0Group, Q8_0Row, BLOCK_QS, GROUP_ROWS, PART_BYTES};
     use std::arch::x86_64::*;
 
@@ -336,15 +336,7 @@ mod avx2 {
                     let xq = x.qs.as_ptr().add(b) as *const i32;
                     for (l, a) in acc.iter_mut().enumerate() {
                         let bw = _mm256_loadu_si256(base.add(l * PART_BYTES) as *const __m256i);
-                        let bx = _mm256_set1_epi32(xq.add(l).read_unaligned());
-                        // Signed bytes times signed bytes: the weight's sign moves onto the activation.
-                        let products = _mm256_maddubs_epi16(
-                            _mm256_sign_epi8(bw, bw),
-                            _mm256_sign_epi8(bx, bw),
-                        );
-                        let sums =
-                            _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), products));
-                        *a = _mm256_fmadd_ps(d, sums, *a);
+                        *a = add_lane(*a, d, bw, xq.add(l).read_unaligned());
                     }
                 }
                 _mm256_storeu_ps(o.as_mut_ptr().add(half * LANES), hsum(&acc));
@@ -352,10 +344,27 @@ mod avx2 {
         }
     }
 
+    /// `acc + d * sums` (fused), `sums` holding in each lane (weight row) the exact sum of the products of its four
+    /// signed weight bytes in `bw` and the four signed activation bytes `x`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in crate::compute::linear) unsafe fn add_lane(
+        acc: __m256,
+        d: __m256,
+        bw: __m256i,
+        x: i32,
+    ) -> __m256 {
+        let bx = _mm256_set1_epi32(x);
+        // Signed bytes times signed bytes: the weight's sign moves onto the activation.
+        let products = _mm256_maddubs_epi16(_mm256_sign_epi8(bw, bw), _mm256_sign_epi8(bx, bw));
+        let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), products));
+        _mm256_fmadd_ps(d, sums, acc)
+    }
+
     /// Each lane's eight sums added in `hsum_lanes`'s order.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn hsum(a: &[__m256; 8]) -> __m256 {
+    pub(in crate::compute::linear) unsafe fn hsum(a: &[__m256; 8]) -> __m256 {
         let r: [__m256; 4] = std::array::from_fn(|i| _mm256_add_ps(a[i + 4], a[i]));
         _mm256_add_ps(_mm256_add_ps(r[0], r[2]), _mm256_add_ps(r[1], r[3]))
     }
@@ -364,7 +373,7 @@ mod avx2 {
 /// Sixteen lanes per vector: the whole group, two activation rows at a time (sixteen of the thirty-two registers
 /// hold their sums; each weight vector is loaded and offset once for both).
 #[cfg(target_arch = "x86_64")]
-mod avx512_vnni {
+pub(super) mod avx512_vnni {
     use super::{Q8_0Group, Q8_0Row, BLOCK_QS, GROUP_ROWS, PART_BYTES};
     use std::arch::x86_64::*;
 
@@ -380,8 +389,6 @@ mod avx512_vnni {
         }
     }
 
-    // `l` picks a weight part, each row's offset and each row's sum alike.
-    #[allow(clippy::needless_range_loop)]
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     unsafe fn tile<const N: usize>(
@@ -399,30 +406,54 @@ mod avx512_vnni {
                 std::array::from_fn(|r| _mm512_mul_ps(wd, _mm512_set1_ps(xs[r].d[b])));
             let base = w.qs.as_ptr().add(b * BLOCK_QS);
             for l in 0..8 {
-                // `dpbusd` takes unsigned weights: w + 128 (the sign bit flipped), and the sum starts at
-                // -128 * sum(x) to take the offset back out, so the lane holds the exact signed sum.
+                // `dpbusd` takes unsigned weights: w + 128 (the sign bit flipped).
                 let bw = _mm512_xor_si512(
                     _mm512_loadu_si512(base.add(l * PART_BYTES) as *const __m512i),
                     flip,
                 );
-                for r in 0..N {
-                    let xq = (xs[r].qs.as_ptr().add(b) as *const i32)
-                        .add(l)
-                        .read_unaligned();
-                    let sums = _mm512_dpbusd_epi32(
-                        _mm512_set1_epi32(xs[r].offset[b][l]),
-                        bw,
-                        _mm512_set1_epi32(xq),
-                    );
-                    acc[r][l] = _mm512_fmadd_ps(d[r], _mm512_cvtepi32_ps(sums), acc[r][l]);
-                }
+                add_lane(&mut acc, &d, bw, (xs, b, l));
             }
         }
+        store_lanes(&acc, out);
+    }
+
+    /// Lane `l` of block `b` for each of the tile's rows `xs`: the exact sum of the products of the weights `bw`
+    /// (offset by 128, unsigned, as `dpbusd` takes them) and the row's four activations, the sum started at the
+    /// row's `-128 * sum(x)` to take the offset back out, then added to the row's lane `l` as `d * sum` (fused).
+    // `r` picks each row's scale, activations and sums alike.
+    #[allow(clippy::needless_range_loop)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    pub(in crate::compute::linear) unsafe fn add_lane<const N: usize>(
+        acc: &mut [[__m512; 8]; N],
+        d: &[__m512; N],
+        bw: __m512i,
+        (xs, b, l): (&[Q8_0Row<'_>], usize, usize),
+    ) {
         for r in 0..N {
-            let a = &acc[r];
+            let xq = (xs[r].qs.as_ptr().add(b) as *const i32)
+                .add(l)
+                .read_unaligned();
+            let sums = _mm512_dpbusd_epi32(
+                _mm512_set1_epi32(xs[r].offset[b][l]),
+                bw,
+                _mm512_set1_epi32(xq),
+            );
+            acc[r][l] = _mm512_fmadd_ps(d[r], _mm512_cvtepi32_ps(sums), acc[r][l]);
+        }
+    }
+
+    /// Each row's eight lanes summed in `hsum_lanes`'s order, into its outputs.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    pub(in crate::compute::linear) unsafe fn store_lanes<const N: usize>(
+        acc: &[[__m512; 8]; N],
+        out: &mut [[f32; GROUP_ROWS]],
+    ) {
+        for (a, o) in acc.iter().zip(out.iter_mut()) {
             let h: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(a[i + 4], a[i]));
             _mm512_storeu_ps(
-                out[r].as_mut_ptr(),
+                o.as_mut_ptr(),
                 _mm512_add_ps(_mm512_add_ps(h[0], h[2]), _mm512_add_ps(h[1], h[3])),
             );
         }

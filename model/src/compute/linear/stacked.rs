@@ -2,7 +2,7 @@
 //! the input is quantized once and the threads are woken once (on a GPU: one launch instead of two per part, and
 //! launches are what bound a GPU's decode step). Rows of a stacked matrix are computed exactly as they would be
 //! alone, so results do not change.
-use super::{Linear, Q4_0Matrix, Q4_1Matrix, Q5_0Matrix};
+use super::{Linear, Q4_0Matrix, Q4_1Matrix, Q5_0Matrix, Repacked};
 use crate::error::Result;
 use candle_core::quantized::{QMatMul, QStorage, QTensor};
 use candle_core::Tensor;

@@ -91,6 +91,7 @@ fn group_scalar(w: Q4_0Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32; GROUP_ROW
 /// row take eight registers). Each part's 32 bytes give two lanes' weights, its low and high nibbles.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
+    use super::super::super::q8_0::avx2::{add_lane, hsum};
     use super::{Q4_0Group, Q8_0Row, BLOCK_QS, GROUP_ROWS, PART_BYTES};
     use std::arch::x86_64::*;
 
@@ -98,11 +99,7 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn group_dots(w: Q4_0Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
-        let (mask, eight, ones) = (
-            _mm256_set1_epi8(0x0F),
-            _mm256_set1_epi8(8),
-            _mm256_set1_epi16(1),
-        );
+        let (mask, eight) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(8));
         for (x, o) in xs.iter().zip(out.iter_mut()) {
             for half in 0..GROUP_ROWS / LANES {
                 let mut acc = [_mm256_setzero_ps(); 8];
@@ -119,20 +116,11 @@ mod avx2 {
                         let high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
                         for (l, nibbles) in [(p, low), (p + 4, high)] {
                             let bw = _mm256_sub_epi8(nibbles, eight);
-                            let bx = _mm256_set1_epi32(xq.add(l).read_unaligned());
-                            // Signed bytes times signed bytes: the weight's sign moves onto the activation.
-                            let products = _mm256_maddubs_epi16(
-                                _mm256_sign_epi8(bw, bw),
-                                _mm256_sign_epi8(bx, bw),
-                            );
-                            let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, products));
-                            acc[l] = _mm256_fmadd_ps(d, sums, acc[l]);
+                            acc[l] = add_lane(acc[l], d, bw, xq.add(l).read_unaligned());
                         }
                     }
                 }
-                let r: [__m256; 4] = std::array::from_fn(|i| _mm256_add_ps(acc[i + 4], acc[i]));
-                let sum = _mm256_add_ps(_mm256_add_ps(r[0], r[2]), _mm256_add_ps(r[1], r[3]));
-                _mm256_storeu_ps(o.as_mut_ptr().add(half * LANES), sum);
+                _mm256_storeu_ps(o.as_mut_ptr().add(half * LANES), hsum(&acc));
             }
         }
     }
@@ -142,6 +130,7 @@ mod avx2 {
 /// hold their sums; each block's weights are unpacked once for both).
 #[cfg(target_arch = "x86_64")]
 mod avx512_vnni {
+    use super::super::super::q8_0::avx512_vnni::{add_lane, store_lanes};
     use super::{Q4_0Group, Q8_0Row, BLOCK_QS, GROUP_ROWS, PART_BYTES};
     use std::arch::x86_64::*;
 
@@ -157,8 +146,6 @@ mod avx512_vnni {
         }
     }
 
-    // `l` picks a lane's weights, each row's offset and each row's sum alike.
-    #[allow(clippy::needless_range_loop)]
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     unsafe fn tile<const N: usize>(
@@ -185,27 +172,10 @@ mod avx512_vnni {
                 bw[p + 4] =
                     _mm512_add_epi8(_mm512_and_si512(_mm512_srli_epi16(packed, 4), mask), offset);
             }
-            for l in 0..8 {
-                for r in 0..N {
-                    let xq = (xs[r].qs.as_ptr().add(b) as *const i32)
-                        .add(l)
-                        .read_unaligned();
-                    let sums = _mm512_dpbusd_epi32(
-                        _mm512_set1_epi32(xs[r].offset[b][l]),
-                        bw[l],
-                        _mm512_set1_epi32(xq),
-                    );
-                    acc[r][l] = _mm512_fmadd_ps(d[r], _mm512_cvtepi32_ps(sums), acc[r][l]);
-                }
+            for (l, &bw) in bw.iter().enumerate() {
+                add_lane(&mut acc, &d, bw, (xs, b, l));
             }
         }
-        for r in 0..N {
-            let a = &acc[r];
-            let h: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(a[i + 4], a[i]));
-            _mm512_storeu_ps(
-                out[r].as_mut_ptr(),
-                _mm512_add_ps(_mm512_add_ps(h[0], h[2]), _mm512_add_ps(h[1], h[3])),
-            );
-        }
+        store_lanes(&acc, out);
     }
 }

@@ -11,10 +11,10 @@ mod kernels;
 
 pub use kernels::Kernel;
 
-use super::{interleaved, GROUP_ROWS, PART_BYTES};
+use super::{interleaved, nibbles, put_nibbles, Repacked, GROUP_ROWS, NIBBLE_BLOCK_QS, PART_BYTES};
 
 use super::q8_1::QK8_1;
-use crate::error::{ModelError, Result};
+use crate::error::Result;
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
 
@@ -23,7 +23,7 @@ pub const QK4_1: usize = 32;
 /// Bytes of one ggml `block_q4_1`: scale `d`, minimum `m` (halves), 16 bytes of nibbles (`value = d * q + m`).
 const BLOCK_BYTES: usize = 20;
 /// Nibble bytes of one block of a group.
-pub const BLOCK_QS: usize = GROUP_ROWS * QK4_1 / 2;
+pub const BLOCK_QS: usize = NIBBLE_BLOCK_QS;
 
 /// A `[rows, cols]` Q4_1 matrix (`cols` a multiple of 32), as `y = x W^T`'s `W`.
 #[derive(Debug)]
@@ -60,69 +60,6 @@ impl Q4_1Matrix {
         }
         let data = q.data()?;
         Ok(Some(Self::from_bytes(&data, dims[0], dims[1])?))
-    }
-
-    /// Repacks raw ggml blocks (row by row) into interleaved groups.
-    pub fn from_bytes(data: &[u8], rows: usize, cols: usize) -> Result<Self> {
-        super::block_count("Q4_1", data, (rows, cols), (QK4_1, BLOCK_BYTES))?;
-        let nb = cols / QK4_1;
-        let slots = rows.div_ceil(GROUP_ROWS) * nb * GROUP_ROWS;
-        let mut w = Self {
-            d: vec![f16::ZERO; slots],
-            m: vec![f16::ZERO; slots],
-            qs: vec![0; slots * QK4_1 / 2],
-            rows,
-            cols,
-        };
-        for (i, b) in data.chunks_exact(BLOCK_BYTES).enumerate() {
-            let (at, k) = interleaved(i / nb, i % nb, nb);
-            w.d[at * GROUP_ROWS + k] = f16::from_le_bytes([b[0], b[1]]);
-            w.m[at * GROUP_ROWS + k] = f16::from_le_bytes([b[2], b[3]]);
-            for (p, bytes) in b[4..].chunks_exact(4).enumerate() {
-                let q = at * BLOCK_QS + p * PART_BYTES + 4 * k;
-                w.qs[q..q + 4].copy_from_slice(bytes);
-            }
-        }
-        Ok(w)
-    }
-
-    /// The matrix as ggml's row-by-row blocks again: the bytes [`Self::from_bytes`] took.
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let nb = self.cols / QK4_1;
-        let mut out = Vec::with_capacity(self.rows * nb * BLOCK_BYTES);
-        for row in 0..self.rows {
-            for block in 0..nb {
-                let (at, k) = interleaved(row, block, nb);
-                out.extend(self.d[at * GROUP_ROWS + k].to_le_bytes());
-                out.extend(self.m[at * GROUP_ROWS + k].to_le_bytes());
-                for p in 0..4 {
-                    let q = at * BLOCK_QS + p * PART_BYTES + 4 * k;
-                    out.extend(&self.qs[q..q + 4]);
-                }
-            }
-        }
-        out
-    }
-
-    /// The rows of several matrices of the same width, one after another: one matmul instead of several over
-    /// the same input (queries, keys and values; gate and up).
-    pub fn concat_rows(parts: &[&Q4_1Matrix]) -> Result<Self> {
-        let cols = parts.first().map(|p| p.cols).unwrap_or(0);
-        if parts.iter().any(|p| p.cols != cols) {
-            return Err(ModelError::Config(
-                "Q4_1 matrices of different widths cannot be stacked".into(),
-            ));
-        }
-        let bytes: Vec<u8> = parts.iter().flat_map(|p| p.to_bytes()).collect();
-        Self::from_bytes(&bytes, parts.iter().map(|p| p.rows).sum(), cols)
-    }
-
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    pub fn cols(&self) -> usize {
-        self.cols
     }
 
     fn group(&self, g: usize) -> Q4_1Group<'_> {
@@ -162,6 +99,52 @@ impl Q4_1Matrix {
             kernel.reads_splat_scales(),
             |g, rows, out| kernel.group_dots(self.group(g), rows, out),
         )
+    }
+}
+
+impl Repacked for Q4_1Matrix {
+    const FORMAT: &'static str = "Q4_1";
+
+    fn from_bytes(data: &[u8], rows: usize, cols: usize) -> Result<Self> {
+        super::block_count(Self::FORMAT, data, (rows, cols), (QK4_1, BLOCK_BYTES))?;
+        let nb = cols / QK4_1;
+        let slots = rows.div_ceil(GROUP_ROWS) * nb * GROUP_ROWS;
+        let mut w = Self {
+            d: vec![f16::ZERO; slots],
+            m: vec![f16::ZERO; slots],
+            qs: vec![0; slots * QK4_1 / 2],
+            rows,
+            cols,
+        };
+        for (i, b) in data.chunks_exact(BLOCK_BYTES).enumerate() {
+            let (at, k) = interleaved(i / nb, i % nb, nb);
+            w.d[at * GROUP_ROWS + k] = f16::from_le_bytes([b[0], b[1]]);
+            w.m[at * GROUP_ROWS + k] = f16::from_le_bytes([b[2], b[3]]);
+            put_nibbles(&mut w.qs, (at, k), &b[4..]);
+        }
+        Ok(w)
+    }
+
+    fn to_bytes(&self) -> Vec<u8> {
+        let nb = self.cols / QK4_1;
+        let mut out = Vec::with_capacity(self.rows * nb * BLOCK_BYTES);
+        for row in 0..self.rows {
+            for block in 0..nb {
+                let (at, k) = interleaved(row, block, nb);
+                out.extend(self.d[at * GROUP_ROWS + k].to_le_bytes());
+                out.extend(self.m[at * GROUP_ROWS + k].to_le_bytes());
+                out.extend(nibbles(&self.qs, (at, k)));
+            }
+        }
+        out
+    }
+
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn cols(&self) -> usize {
+        self.cols
     }
 }
 
@@ -208,17 +191,8 @@ mod tests {
     #[test]
     fn repacking_keeps_the_ggml_bytes_and_stacks_rows_exactly() {
         let (q, a) = q4_1(37, 96);
-        assert_eq!(a.to_bytes(), q.data().unwrap().to_vec());
-        // 37 + 5 rows: the second part's rows start inside the first part's last group.
         let (_, b) = q4_1(5, 96);
-        let both = Q4_1Matrix::concat_rows(&[&a, &b]).unwrap();
-        assert_eq!((both.rows(), both.cols()), (42, 96));
-        let x: Vec<f32> = random(3, 96, 5).flatten_all().unwrap().to_vec1().unwrap();
-        let (ya, yb, y) = (a.matmul(&x, 3), b.matmul(&x, 3), both.matmul(&x, 3));
-        for r in 0..3 {
-            assert_eq!(y[r * 42..r * 42 + 37], ya[r * 37..(r + 1) * 37]);
-            assert_eq!(y[r * 42 + 37..(r + 1) * 42], yb[r * 5..(r + 1) * 5]);
-        }
+        super::super::assert_repacks_and_stacks((&q, &a), &b, Q4_1Matrix::matmul);
     }
 
     #[test]

@@ -13,8 +13,8 @@ mod kernels;
 pub use kernels::Kernel;
 
 use super::q8_1::QK8_1;
-use super::{interleaved, GROUP_ROWS, PART_BYTES};
-use crate::error::{ModelError, Result};
+use super::{interleaved, nibbles, put_nibbles, Repacked, GROUP_ROWS, NIBBLE_BLOCK_QS, PART_BYTES};
+use crate::error::Result;
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
 
@@ -24,7 +24,7 @@ pub const QK5_0: usize = 32;
 /// nibbles (`value = d * (q - 16)`).
 const BLOCK_BYTES: usize = 22;
 /// Nibble bytes of one block of a group.
-pub const BLOCK_QS: usize = GROUP_ROWS * QK5_0 / 2;
+pub const BLOCK_QS: usize = NIBBLE_BLOCK_QS;
 /// Fifth-bit masks of one block of a group: one per part.
 pub const BLOCK_MASKS: usize = 8;
 
@@ -77,77 +77,6 @@ impl Q5_0Matrix {
         Ok(Some(Self::from_bytes(&data, dims[0], dims[1])?))
     }
 
-    /// Repacks raw ggml blocks (row by row) into interleaved groups.
-    pub fn from_bytes(data: &[u8], rows: usize, cols: usize) -> Result<Self> {
-        super::block_count("Q5_0", data, (rows, cols), (QK5_0, BLOCK_BYTES))?;
-        let nb = cols / QK5_0;
-        let slots = rows.div_ceil(GROUP_ROWS) * nb;
-        let mut w = Self {
-            d: vec![f16::ZERO; slots * GROUP_ROWS],
-            qs: vec![0; slots * BLOCK_QS],
-            high: vec![0; slots * BLOCK_MASKS],
-            rows,
-            cols,
-        };
-        for (i, b) in data.chunks_exact(BLOCK_BYTES).enumerate() {
-            let (at, k) = interleaved(i / nb, i % nb, nb);
-            w.d[at * GROUP_ROWS + k] = f16::from_le_bytes([b[0], b[1]]);
-            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-            for j in (0..QK5_0).filter(|j| qh >> j & 1 == 1) {
-                let (part, bit) = mask_bit(j, k);
-                w.high[at * BLOCK_MASKS + part] |= 1 << bit;
-            }
-            for (p, bytes) in b[6..].chunks_exact(4).enumerate() {
-                let q = at * BLOCK_QS + p * PART_BYTES + 4 * k;
-                w.qs[q..q + 4].copy_from_slice(bytes);
-            }
-        }
-        Ok(w)
-    }
-
-    /// The matrix as ggml's row-by-row blocks again: the bytes [`Self::from_bytes`] took.
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let nb = self.cols / QK5_0;
-        let mut out = Vec::with_capacity(self.rows * nb * BLOCK_BYTES);
-        for row in 0..self.rows {
-            for block in 0..nb {
-                let (at, k) = interleaved(row, block, nb);
-                out.extend(self.d[at * GROUP_ROWS + k].to_le_bytes());
-                let qh = (0..QK5_0).fold(0u32, |qh, j| {
-                    let (part, bit) = mask_bit(j, k);
-                    qh | (((self.high[at * BLOCK_MASKS + part] >> bit) & 1) as u32) << j
-                });
-                out.extend(qh.to_le_bytes());
-                for p in 0..4 {
-                    let q = at * BLOCK_QS + p * PART_BYTES + 4 * k;
-                    out.extend(&self.qs[q..q + 4]);
-                }
-            }
-        }
-        out
-    }
-
-    /// The rows of several matrices of the same width, one after another: one matmul instead of several over
-    /// the same input (queries, keys and values; gate and up).
-    pub fn concat_rows(parts: &[&Q5_0Matrix]) -> Result<Self> {
-        let cols = parts.first().map(|p| p.cols).unwrap_or(0);
-        if parts.iter().any(|p| p.cols != cols) {
-            return Err(ModelError::Config(
-                "Q5_0 matrices of different widths cannot be stacked".into(),
-            ));
-        }
-        let bytes: Vec<u8> = parts.iter().flat_map(|p| p.to_bytes()).collect();
-        Self::from_bytes(&bytes, parts.iter().map(|p| p.rows).sum(), cols)
-    }
-
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
-
     fn group(&self, g: usize) -> Q5_0Group<'_> {
         let blocks = self.cols / QK5_0;
         let i = g * blocks..(g + 1) * blocks;
@@ -190,6 +119,60 @@ impl Q5_0Matrix {
         super::matmul_q8_rows(self.rows, (x, m), false, |g, rows, out| {
             kernel.group_dots(self.group(g), rows, out)
         })
+    }
+}
+
+impl Repacked for Q5_0Matrix {
+    const FORMAT: &'static str = "Q5_0";
+
+    fn from_bytes(data: &[u8], rows: usize, cols: usize) -> Result<Self> {
+        super::block_count(Self::FORMAT, data, (rows, cols), (QK5_0, BLOCK_BYTES))?;
+        let nb = cols / QK5_0;
+        let slots = rows.div_ceil(GROUP_ROWS) * nb;
+        let mut w = Self {
+            d: vec![f16::ZERO; slots * GROUP_ROWS],
+            qs: vec![0; slots * BLOCK_QS],
+            high: vec![0; slots * BLOCK_MASKS],
+            rows,
+            cols,
+        };
+        for (i, b) in data.chunks_exact(BLOCK_BYTES).enumerate() {
+            let (at, k) = interleaved(i / nb, i % nb, nb);
+            w.d[at * GROUP_ROWS + k] = f16::from_le_bytes([b[0], b[1]]);
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            for j in (0..QK5_0).filter(|j| qh >> j & 1 == 1) {
+                let (part, bit) = mask_bit(j, k);
+                w.high[at * BLOCK_MASKS + part] |= 1 << bit;
+            }
+            put_nibbles(&mut w.qs, (at, k), &b[6..]);
+        }
+        Ok(w)
+    }
+
+    fn to_bytes(&self) -> Vec<u8> {
+        let nb = self.cols / QK5_0;
+        let mut out = Vec::with_capacity(self.rows * nb * BLOCK_BYTES);
+        for row in 0..self.rows {
+            for block in 0..nb {
+                let (at, k) = interleaved(row, block, nb);
+                out.extend(self.d[at * GROUP_ROWS + k].to_le_bytes());
+                let qh = (0..QK5_0).fold(0u32, |qh, j| {
+                    let (part, bit) = mask_bit(j, k);
+                    qh | (((self.high[at * BLOCK_MASKS + part] >> bit) & 1) as u32) << j
+                });
+                out.extend(qh.to_le_bytes());
+                out.extend(nibbles(&self.qs, (at, k)));
+            }
+        }
+        out
+    }
+
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn cols(&self) -> usize {
+        self.cols
     }
 }
 
@@ -271,17 +254,8 @@ mod tests {
     #[test]
     fn repacking_keeps_the_ggml_bytes_and_stacks_rows_exactly() {
         let (q, a) = q5_0(37, 128);
-        assert_eq!(a.to_bytes(), q.data().unwrap().to_vec());
-        // 37 + 5 rows: the second part's rows start inside the first part's last group.
         let (_, b) = q5_0(5, 128);
-        let both = Q5_0Matrix::concat_rows(&[&a, &b]).unwrap();
-        assert_eq!((both.rows(), both.cols()), (42, 128));
-        let x: Vec<f32> = random(3, 128, 5).flatten_all().unwrap().to_vec1().unwrap();
-        let (ya, yb, y) = (a.matmul(&x, 3), b.matmul(&x, 3), both.matmul(&x, 3));
-        for r in 0..3 {
-            assert_eq!(y[r * 42..r * 42 + 37], ya[r * 37..(r + 1) * 37]);
-            assert_eq!(y[r * 42 + 37..(r + 1) * 42], yb[r * 5..(r + 1) * 5]);
-        }
+        super::super::assert_repacks_and_stacks((&q, &a), &b, Q5_0Matrix::matmul);
     }
 
     #[test]
