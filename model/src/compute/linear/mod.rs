@@ -163,7 +163,7 @@ pub use q8_0::Q8_0Matrix;
 pub use stacked::Stacked;
 
 use crate::error::Result;
-use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{CpuStorage, DType, Device, Layout, Module, Shape, Tensor};
 use rayon::prelude::*;
 use std::sync::Arc;
@@ -316,6 +316,49 @@ pub(crate) fn cpu_features() -> CpuFeatures {
     })
 }
 
+/// The kernels of a format that has a scalar reference, an AVX2 and an AVX-512 VNNI version (Q4_0, Q5_0).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VectorKernel {
+    Scalar,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512Vnni,
+}
+
+impl VectorKernel {
+    /// Every kernel this CPU can run, slowest first (tests check each against the reference).
+    pub fn available() -> Vec<Self> {
+        let mut all = vec![Self::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            let cpu = cpu_features();
+            if cpu.avx2 {
+                all.push(Self::Avx2);
+            }
+            if cpu.avx512_vnni {
+                all.push(Self::Avx512Vnni);
+            }
+        }
+        all
+    }
+
+    /// The fastest of [`Self::available`], from the features detected once (every matmul asks).
+    pub fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let cpu = cpu_features();
+            if cpu.avx512_vnni {
+                return Self::Avx512Vnni;
+            }
+            if cpu.avx2 {
+                return Self::Avx2;
+            }
+        }
+        Self::Scalar
+    }
+}
+
 /// Weight rows our kernels interleave (one 32-bit lane each of a 512-bit vector), and so the output columns one
 /// task computes.
 pub const GROUP_ROWS: usize = 16;
@@ -402,18 +445,17 @@ impl SharedOut {
     }
 }
 
-/// The blocks of a `[rows, cols]` matrix of ggml `format` blocks (`per_block` values in `block_bytes` bytes each)
-/// held in `data`, or why `data` is not one.
+/// The blocks of a `[rows, cols]` matrix of ggml `dtype` blocks held in `data`, or why `data` is not one.
 pub(crate) fn block_count(
-    format: &str,
+    dtype: GgmlDType,
     data: &[u8],
     (rows, cols): (usize, usize),
-    (per_block, block_bytes): (usize, usize),
 ) -> Result<usize> {
+    let (per_block, block_bytes) = (dtype.block_size(), dtype.type_size());
     let n = rows * cols / per_block;
     if !cols.is_multiple_of(per_block) || data.len() != n * block_bytes {
         return Err(crate::error::ModelError::Config(format!(
-            "{} bytes of {format} data for a [{rows}, {cols}] matrix",
+            "{} bytes of {dtype:?} data for a [{rows}, {cols}] matrix",
             data.len()
         )));
     }
@@ -423,8 +465,21 @@ pub(crate) fn block_count(
 /// One of our matrix types built from ggml's blocks, row by row, that gives them back: all that stacking several
 /// into one takes.
 pub trait Repacked: Sized {
-    /// The format's name, for errors.
-    const FORMAT: &'static str;
+    /// The ggml format of the blocks.
+    const DTYPE: GgmlDType;
+
+    /// Repacks a `QTensor` of [`Self::DTYPE`]; `None` for any other format or shape.
+    fn from_qtensor(q: &QTensor) -> Result<Option<Self>> {
+        let dims = q.shape().dims();
+        if q.dtype() != Self::DTYPE
+            || dims.len() != 2
+            || !dims[1].is_multiple_of(Self::DTYPE.block_size())
+        {
+            return Ok(None);
+        }
+        let data = q.data()?;
+        Ok(Some(Self::from_bytes(&data, dims[0], dims[1])?))
+    }
 
     /// Repacks raw ggml blocks (row by row) into interleaved groups.
     fn from_bytes(data: &[u8], rows: usize, cols: usize) -> Result<Self>;
@@ -442,8 +497,8 @@ pub trait Repacked: Sized {
         let cols = parts.first().map(|p| p.cols()).unwrap_or(0);
         if parts.iter().any(|p| p.cols() != cols) {
             return Err(crate::error::ModelError::Config(format!(
-                "{} matrices of different widths cannot be stacked",
-                Self::FORMAT
+                "{:?} matrices of different widths cannot be stacked",
+                Self::DTYPE
             )));
         }
         let bytes: Vec<u8> = parts.iter().flat_map(|p| p.to_bytes()).collect();

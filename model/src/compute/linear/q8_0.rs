@@ -137,7 +137,7 @@ impl Q8_0Matrix {
 
     /// Repacks raw ggml blocks (row by row) into interleaved groups.
     pub fn from_bytes(data: &[u8], rows: usize, cols: usize) -> Result<Self> {
-        super::block_count("Q8_0", data, (rows, cols), (QK8_0, BLOCK_BYTES))?;
+        super::block_count(GgmlDType::Q8_0, data, (rows, cols))?;
         let nb = cols / QK8_0;
         let slots = rows.div_ceil(GROUP_ROWS) * nb * GROUP_ROWS;
         let mut w = Self {

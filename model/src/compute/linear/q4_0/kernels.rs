@@ -4,54 +4,28 @@ use super::super::q8_0::{hsum_lanes, Q8_0Row};
 use super::super::{GROUP_ROWS, PART_BYTES};
 use super::{Q4_0Group, BLOCK_QS, QK4_0};
 
-/// The dot product kernels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kernel {
-    Scalar,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    #[cfg(target_arch = "x86_64")]
-    Avx512Vnni,
-}
+pub use super::super::VectorKernel as Kernel;
 
-impl Kernel {
-    /// Every kernel this CPU can run, slowest first (tests check each against the reference).
-    pub fn available() -> Vec<Self> {
-        let mut all = vec![Kernel::Scalar];
+/// `out[r][k] = dot(row k of w, xs[r])` for every activation row, each as long as `w`'s rows.
+pub fn group_dots(
+    kernel: Kernel,
+    w: Q4_0Group<'_>,
+    xs: &[Q8_0Row<'_>],
+    out: &mut [[f32; GROUP_ROWS]],
+) {
+    let nb = w.blocks();
+    assert!(
+        xs.iter()
+            .all(|x| x.d.len() == nb && x.qs.len() == nb && x.offset.len() == nb)
+            && out.len() >= xs.len()
+    );
+    match kernel {
+        Kernel::Scalar => group_scalar(w, xs, out),
+        // SAFETY (both): `available` lists a kernel only on CPUs with its features; lengths were checked above.
         #[cfg(target_arch = "x86_64")]
-        {
-            let cpu = super::super::cpu_features();
-            if cpu.avx2 {
-                all.push(Kernel::Avx2);
-            }
-            if cpu.avx512_vnni {
-                all.push(Kernel::Avx512Vnni);
-            }
-        }
-        all
-    }
-
-    /// The fastest of [`Self::available`].
-    pub fn detect() -> Self {
-        Self::available().pop().unwrap_or(Kernel::Scalar)
-    }
-
-    /// `out[r][k] = dot(row k of w, xs[r])` for every activation row, each as long as `w`'s rows.
-    pub fn group_dots(self, w: Q4_0Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
-        let nb = w.blocks();
-        assert!(
-            xs.iter()
-                .all(|x| x.d.len() == nb && x.qs.len() == nb && x.offset.len() == nb)
-                && out.len() >= xs.len()
-        );
-        match self {
-            Kernel::Scalar => group_scalar(w, xs, out),
-            // SAFETY (both): `available` lists a kernel only on CPUs with its features; lengths were checked above.
-            #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => unsafe { avx2::group_dots(w, xs, out) },
-            #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512Vnni => unsafe { avx512_vnni::group_dots(w, xs, out) },
-        }
+        Kernel::Avx2 => unsafe { avx2::group_dots(w, xs, out) },
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512Vnni => unsafe { avx512_vnni::group_dots(w, xs, out) },
     }
 }
 

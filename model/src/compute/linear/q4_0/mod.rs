@@ -17,7 +17,7 @@ pub use kernels::Kernel;
 use super::q8_0::Q8_0Rows;
 use super::{interleaved, nibbles, put_nibbles, Repacked, GROUP_ROWS, NIBBLE_BLOCK_QS};
 use crate::error::Result;
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::GgmlDType;
 use half::f16;
 
 /// Values per block.
@@ -52,16 +52,6 @@ impl Q4_0Group<'_> {
 }
 
 impl Q4_0Matrix {
-    /// Repacks a Q4_0 `QTensor`; `None` for any other format or shape.
-    pub fn from_qtensor(q: &QTensor) -> Result<Option<Self>> {
-        let dims = q.shape().dims();
-        if q.dtype() != GgmlDType::Q4_0 || dims.len() != 2 || !dims[1].is_multiple_of(QK4_0) {
-            return Ok(None);
-        }
-        let data = q.data()?;
-        Ok(Some(Self::from_bytes(&data, dims[0], dims[1])?))
-    }
-
     fn group(&self, g: usize) -> Q4_0Group<'_> {
         let per_group = self.cols / QK4_0 * GROUP_ROWS;
         Q4_0Group {
@@ -92,16 +82,16 @@ impl Q4_0Matrix {
         let xq = Q8_0Rows::quantize(x, m);
         let rows: Vec<_> = (0..m).map(|i| xq.row(i)).collect();
         super::matmul_by_groups(self.rows, m, |g, tile, out| {
-            kernel.group_dots(self.group(g), &rows[tile], out)
+            kernels::group_dots(kernel, self.group(g), &rows[tile], out)
         })
     }
 }
 
 impl Repacked for Q4_0Matrix {
-    const FORMAT: &'static str = "Q4_0";
+    const DTYPE: GgmlDType = GgmlDType::Q4_0;
 
     fn from_bytes(data: &[u8], rows: usize, cols: usize) -> Result<Self> {
-        super::block_count(Self::FORMAT, data, (rows, cols), (QK4_0, BLOCK_BYTES))?;
+        super::block_count(Self::DTYPE, data, (rows, cols))?;
         let nb = cols / QK4_0;
         let slots = rows.div_ceil(GROUP_ROWS) * nb;
         let mut w = Self {

@@ -15,7 +15,7 @@ use super::{interleaved, nibbles, put_nibbles, Repacked, GROUP_ROWS, NIBBLE_BLOC
 
 use super::q8_1::QK8_1;
 use crate::error::Result;
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::GgmlDType;
 use half::f16;
 
 /// Values per block.
@@ -52,16 +52,6 @@ impl Q4_1Group<'_> {
 }
 
 impl Q4_1Matrix {
-    /// Repacks a Q4_1 `QTensor`; `None` for any other format or shape.
-    pub fn from_qtensor(q: &QTensor) -> Result<Option<Self>> {
-        let dims = q.shape().dims();
-        if q.dtype() != GgmlDType::Q4_1 || dims.len() != 2 || !dims[1].is_multiple_of(QK4_1) {
-            return Ok(None);
-        }
-        let data = q.data()?;
-        Ok(Some(Self::from_bytes(&data, dims[0], dims[1])?))
-    }
-
     fn group(&self, g: usize) -> Q4_1Group<'_> {
         let per_group = self.cols / QK4_1 * GROUP_ROWS;
         let i = g * per_group..(g + 1) * per_group;
@@ -103,10 +93,10 @@ impl Q4_1Matrix {
 }
 
 impl Repacked for Q4_1Matrix {
-    const FORMAT: &'static str = "Q4_1";
+    const DTYPE: GgmlDType = GgmlDType::Q4_1;
 
     fn from_bytes(data: &[u8], rows: usize, cols: usize) -> Result<Self> {
-        super::block_count(Self::FORMAT, data, (rows, cols), (QK4_1, BLOCK_BYTES))?;
+        super::block_count(Self::DTYPE, data, (rows, cols))?;
         let nb = cols / QK4_1;
         let slots = rows.div_ceil(GROUP_ROWS) * nb * GROUP_ROWS;
         let mut w = Self {

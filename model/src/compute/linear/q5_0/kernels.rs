@@ -11,58 +11,32 @@
 use super::super::q8_1::Q8Row;
 use super::{Q5_0Group, BLOCK_MASKS, BLOCK_QS, GROUP_ROWS, PART_BYTES};
 
-/// The best kernel this CPU runs, detected once.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kernel {
-    Scalar,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    #[cfg(target_arch = "x86_64")]
-    Avx512Vnni,
-}
+pub use super::super::VectorKernel as Kernel;
 
-impl Kernel {
-    /// Every kernel this CPU can run, slowest first (tests check each against the reference).
-    pub fn available() -> Vec<Self> {
-        let mut all = vec![Kernel::Scalar];
+/// `out[r][k] = dot(row k of w, ys[r])` for every activation row, each as long as `w`'s rows.
+pub fn group_dots(
+    kernel: Kernel,
+    w: Q5_0Group<'_>,
+    ys: &[Q8Row<'_>],
+    out: &mut [[f32; GROUP_ROWS]],
+) {
+    let nb = w.blocks();
+    assert!(
+        w.qs.len() == nb * BLOCK_QS
+            && w.high.len() == nb * BLOCK_MASKS
+            && ys
+                .iter()
+                .all(|y| y.d.len() == nb && y.qs.len() == nb && y.sum.len() == nb)
+            && out.len() >= ys.len()
+    );
+    match kernel {
+        Kernel::Scalar => group_scalar(w, ys, out),
+        // SAFETY (both): `available` lists a kernel only after checking the CPU has its features; lengths were
+        // checked above.
         #[cfg(target_arch = "x86_64")]
-        {
-            let cpu = super::super::cpu_features();
-            if cpu.avx2 {
-                all.push(Kernel::Avx2);
-            }
-            if cpu.avx512_vnni {
-                all.push(Kernel::Avx512Vnni);
-            }
-        }
-        all
-    }
-
-    /// The fastest of [`Self::available`].
-    pub fn detect() -> Self {
-        Self::available().pop().unwrap_or(Kernel::Scalar)
-    }
-
-    /// `out[r][k] = dot(row k of w, ys[r])` for every activation row, each as long as `w`'s rows.
-    pub fn group_dots(self, w: Q5_0Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
-        let nb = w.blocks();
-        assert!(
-            w.qs.len() == nb * BLOCK_QS
-                && w.high.len() == nb * BLOCK_MASKS
-                && ys
-                    .iter()
-                    .all(|y| y.d.len() == nb && y.qs.len() == nb && y.sum.len() == nb)
-                && out.len() >= ys.len()
-        );
-        match self {
-            Kernel::Scalar => group_scalar(w, ys, out),
-            // SAFETY (both): `available` lists a kernel only after checking the CPU has its features; lengths were
-            // checked above.
-            #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => unsafe { avx2::group_dots(w, ys, out) },
-            #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512Vnni => unsafe { avx512_vnni::group_dots(w, ys, out) },
-        }
+        Kernel::Avx2 => unsafe { avx2::group_dots(w, ys, out) },
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512Vnni => unsafe { avx512_vnni::group_dots(w, ys, out) },
     }
 }
 

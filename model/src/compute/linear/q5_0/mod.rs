@@ -15,7 +15,7 @@ pub use kernels::Kernel;
 use super::q8_1::QK8_1;
 use super::{interleaved, nibbles, put_nibbles, Repacked, GROUP_ROWS, NIBBLE_BLOCK_QS, PART_BYTES};
 use crate::error::Result;
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::GgmlDType;
 use half::f16;
 
 /// Values per block.
@@ -67,16 +67,6 @@ fn mask_bit(j: usize, k: usize) -> (usize, u32) {
 }
 
 impl Q5_0Matrix {
-    /// Repacks a Q5_0 `QTensor`; `None` for any other format or shape.
-    pub fn from_qtensor(q: &QTensor) -> Result<Option<Self>> {
-        let dims = q.shape().dims();
-        if q.dtype() != GgmlDType::Q5_0 || dims.len() != 2 || !dims[1].is_multiple_of(QK5_0) {
-            return Ok(None);
-        }
-        let data = q.data()?;
-        Ok(Some(Self::from_bytes(&data, dims[0], dims[1])?))
-    }
-
     fn group(&self, g: usize) -> Q5_0Group<'_> {
         let blocks = self.cols / QK5_0;
         let i = g * blocks..(g + 1) * blocks;
@@ -117,16 +107,16 @@ impl Q5_0Matrix {
         debug_assert_eq!(self.cols % QK8_1, 0);
         // Candle quantizes the activations to Q8_0 for this product; Q8_1's scales and bytes are the same values.
         super::matmul_q8_rows(self.rows, (x, m), false, |g, rows, out| {
-            kernel.group_dots(self.group(g), rows, out)
+            kernels::group_dots(kernel, self.group(g), rows, out)
         })
     }
 }
 
 impl Repacked for Q5_0Matrix {
-    const FORMAT: &'static str = "Q5_0";
+    const DTYPE: GgmlDType = GgmlDType::Q5_0;
 
     fn from_bytes(data: &[u8], rows: usize, cols: usize) -> Result<Self> {
-        super::block_count(Self::FORMAT, data, (rows, cols), (QK5_0, BLOCK_BYTES))?;
+        super::block_count(Self::DTYPE, data, (rows, cols))?;
         let nb = cols / QK5_0;
         let slots = rows.div_ceil(GROUP_ROWS) * nb;
         let mut w = Self {
