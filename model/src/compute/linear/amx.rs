@@ -60,8 +60,14 @@ pub(crate) fn usable() -> bool {
     false
 }
 
-/// The tile configuration every product here uses: `tmm0` the 16 x 16 sums (`C`, 32-bit), `tmm1` sixteen
-/// activation rows of one block (`A`, 32 bytes each), `tmm2` the block's weights (`B`, see [`B_BYTES`]).
+/// The tile configuration every product here uses: `tmm0` the 16 x 16 sums (`C`, 32-bit), `tmm4` sixteen
+/// activation rows of one block (`A`, 32 bytes each), `tmm6` the block's weights (`B`, see [`B_BYTES`]).
+///
+/// It is candle's configuration, tile for tile (`tmm0`-`tmm3` C-shaped, `tmm4`-`tmm5` A-shaped, `tmm6`-`tmm7`
+/// B-shaped, in its `repack_x86` AMX kernel): candle's Q4_K product runs on our pool's threads
+/// ([`CandleRows`](super::CandleRows)), and each side loads its configuration once per thread, so with two
+/// configurations the one loaded last would give the other's tiles the wrong shapes (a tile product of mismatched
+/// shapes faults: SIGILL). With one, either side's load serves both.
 #[cfg(target_arch = "x86_64")]
 #[repr(C, align(64))]
 struct TileConfig {
@@ -97,9 +103,15 @@ pub(crate) unsafe fn configure_thread() {
         colsb: [0; 16],
         rows: [0; 16],
     };
-    (config.rows[0], config.colsb[0]) = (TILE_ROWS as u8, 64);
-    (config.rows[1], config.colsb[1]) = (TILE_ROWS as u8, 32);
-    (config.rows[2], config.colsb[2]) = (8, 64);
+    for t in 0..4 {
+        (config.rows[t], config.colsb[t]) = (TILE_ROWS as u8, 64);
+    }
+    for t in 4..6 {
+        (config.rows[t], config.colsb[t]) = (TILE_ROWS as u8, 32);
+    }
+    for t in 6..8 {
+        (config.rows[t], config.colsb[t]) = (8, 64);
+    }
     asm!("ldtilecfg [{}]", in(reg) &config, options(nostack, readonly));
     CONFIGURED.with(|c| c.set(true));
 }
@@ -151,9 +163,9 @@ macro_rules! tile_product {
         pub(crate) unsafe fn $name(a: *const i8, a_stride: usize, b: *const $b, c: *mut i32) {
             asm!(
                 "tilezero tmm0",
-                "tileloadd tmm1, [{a} + {a_stride}*1]",
-                "tileloadd tmm2, [{b} + {row}*1]",
-                concat!($product, " tmm0, tmm1, tmm2"),
+                "tileloadd tmm4, [{a} + {a_stride}*1]",
+                "tileloadd tmm6, [{b} + {row}*1]",
+                concat!($product, " tmm0, tmm4, tmm6"),
                 "tilestored [{c} + {row}*1], tmm0",
                 a = in(reg) a,
                 a_stride = in(reg) a_stride,
@@ -172,3 +184,54 @@ tile_product!(signed_by_unsigned, u8, "tdpbsud");
 // Q8_0: signed against signed.
 #[cfg(target_arch = "x86_64")]
 tile_product!(signed_by_signed, i8, "tdpbssd");
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::super::q4_1::{Kernel, Q4_1Matrix};
+    use super::super::{candle_product, cpu_features, test_matrix, Repacked};
+    use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+    use candle_core::Module;
+
+    /// Candle's AMX product (Q4_K, 32 rows and more) and ours run on the same threads (candle's kernels run on our
+    /// pool, `CandleRows`), and each side loads its tile configuration once per thread: whichever ran last, the
+    /// other's tiles must still have the shapes it expects.
+    #[test]
+    fn our_tiles_and_candles_take_turns_on_one_thread() {
+        if !cpu_features().amx {
+            // Neither side uses tiles on this CPU.
+            return;
+        }
+        let q4_1 = QTensor::quantize(&test_matrix(32, 256, 1), GgmlDType::Q4_1).unwrap();
+        let ours = Q4_1Matrix::from_qtensor(&q4_1).unwrap().unwrap();
+        let candle_q4_1 = QMatMul::from_qtensor(q4_1).unwrap();
+        let q4k = QMatMul::from_qtensor(
+            QTensor::quantize(&test_matrix(32, 256, 2), GgmlDType::Q4K).unwrap(),
+        )
+        .unwrap();
+        let x = test_matrix(32, 256, 3);
+        let (want_ours, xs) = candle_product(&candle_q4_1, &x);
+        let candle_k = || {
+            q4k.forward(&x)
+                .and_then(|y| y.flatten_all())
+                .and_then(|y| y.to_vec1::<f32>())
+                .unwrap()
+        };
+        // One pool of one thread, the calling one: every product below runs on it.
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .use_current_thread()
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let want_k = candle_k();
+            for turn in 0..2 {
+                assert_eq!(
+                    ours.matmul_with(Kernel::Amx, &xs, 32),
+                    want_ours,
+                    "ours, turn {turn}"
+                );
+                assert_eq!(candle_k(), want_k, "candle's, turn {turn}");
+            }
+        });
+    }
+}
