@@ -230,3 +230,10 @@ fn q5_0_gguf_spans_match_candle_quantized_llama() {
 fn q4_0_gguf_spans_match_candle_quantized_llama() {
     requantized_spans_match_quantized_llama(candle_core::quantized::GgmlDType::Q4_0);
 }
+
+/// Q5_1: most of what llama.cpp's Q5_K_M holds for matrices 576 wide (candle's product is its scalar loop); ours are
+/// Q4_1's kernels with the fifth bits added.
+#[test]
+fn q5_1_gguf_spans_match_candle_quantized_llama() {
+    requantized_spans_match_quantized_llama(candle_core::quantized::GgmlDType::Q5_1);
+}

@@ -1,4 +1,4 @@
-//! Candle's quantized CPU matmul for the formats our kernels do not take (the K-quants, Q5_1), run on the
+//! Candle's quantized CPU matmul for the formats our kernels do not take (the K-quants), run on the
 //! calling compute pool's threads: the matrix's rows in parts, one task of the pool per part, each part's product
 //! candle's own.
 //!
@@ -85,7 +85,7 @@ mod tests {
             GgmlDType::Q6K,
             GgmlDType::Q5K,
             GgmlDType::Q3K,
-            GgmlDType::Q5_1,
+            GgmlDType::Q2K,
         ] {
             let q = Arc::new(QTensor::quantize(&test_matrix(80, 512, 3), dtype).unwrap());
             let whole = QMatMul::from_arc(q.clone()).unwrap();

@@ -1,5 +1,5 @@
 //! Matmul weights (`y = x W^T`): candle's `QMatMul`, or our own CPU kernels for the formats where candle's are
-//! slow (Q4_1 and Q5_0: its generic scalar loops; Q4_0 and Q8_0: a weight row at a time, untiled): weights
+//! slow (Q4_1, Q5_0 and Q5_1: its generic scalar loops; Q4_0 and Q8_0: a weight row at a time, untiled): weights
 //! repacked into groups of [`GROUP_ROWS`] interleaved rows, one task per group ([`matmul_by_groups`]).
 
 // Defined before the kernels' modules, which use it (a `macro_rules!` is visible only after its definition).
@@ -22,15 +22,16 @@ macro_rules! each_row {
 }
 
 /// Calls `$tile::<$n>(w, rows, out)` on the activation rows `$n` at a time (`$n` at most eight), then once on the
-/// fewer than `$n` left, by their count; a single row left goes to `$one` when given, else to `$tile::<1>`.
+/// fewer than `$n` left, by their count; a single row left goes to `$one` when given, else to `$tile::<1>`. With
+/// `$tile[$extra]`, `$extra` follows the row count among the tile's generic arguments (`tile::<8, true>`).
 #[cfg(target_arch = "x86_64")]
 macro_rules! by_tiles {
-    ($tile:ident, $n:expr, $w:expr, $ys:expr, $out:expr) => {
-        by_tiles!($tile, $n, $w, $ys, $out, |w, ys, out| $tile::<1>(
+    ($tile:ident $([$($extra:tt)*])?, $n:expr, $w:expr, $ys:expr, $out:expr) => {
+        by_tiles!($tile $([$($extra)*])?, $n, $w, $ys, $out, |w, ys, out| $tile::<1 $(, $($extra)*)?>(
             w, ys, out
         ))
     };
-    ($tile:ident, $n:expr, $w:expr, $ys:expr, $out:expr, |$ow:ident, $oys:ident, $oout:ident| $one:expr) => {{
+    ($tile:ident $([$($extra:tt)*])?, $n:expr, $w:expr, $ys:expr, $out:expr, |$ow:ident, $oys:ident, $oout:ident| $one:expr) => {{
         const {
             assert!(
                 $n <= 8,
@@ -40,7 +41,7 @@ macro_rules! by_tiles {
         let (w, ys, out) = ($w, $ys, $out);
         let mut r = 0;
         while r + $n <= ys.len() {
-            $tile::<{ $n }>(w, &ys[r..r + $n], &mut out[r..r + $n]);
+            $tile::<{ $n } $(, $($extra)*)?>(w, &ys[r..r + $n], &mut out[r..r + $n]);
             r += $n;
         }
         let (ys, out) = (&ys[r..], &mut out[r..]);
@@ -50,12 +51,12 @@ macro_rules! by_tiles {
                 let ($ow, $oys, $oout) = (w, ys, out);
                 $one
             }
-            2 => $tile::<2>(w, ys, out),
-            3 => $tile::<3>(w, ys, out),
-            4 => $tile::<4>(w, ys, out),
-            5 => $tile::<5>(w, ys, out),
-            6 => $tile::<6>(w, ys, out),
-            _ => $tile::<7>(w, ys, out),
+            2 => $tile::<2 $(, $($extra)*)?>(w, ys, out),
+            3 => $tile::<3 $(, $($extra)*)?>(w, ys, out),
+            4 => $tile::<4 $(, $($extra)*)?>(w, ys, out),
+            5 => $tile::<5 $(, $($extra)*)?>(w, ys, out),
+            6 => $tile::<6 $(, $($extra)*)?>(w, ys, out),
+            _ => $tile::<7 $(, $($extra)*)?>(w, ys, out),
         }
     }};
 }
@@ -63,17 +64,17 @@ macro_rules! by_tiles {
 /// The 512-bit kernels' tiles: `$tile::<16>(w, rows, out)` on the activation rows sixteen at a time (each block's
 /// weights unpacked once for all of them: 1.02-1.07x faster than two tiles of eight, SmolLM2's Q4_1 matmuls at 16
 /// rows on two threads, Zen 4, though their sums and accumulators no longer fit the registers), then the rest in
-/// tiles of eight, which do fit ([`by_tiles!`]).
+/// tiles of eight, which do fit ([`by_tiles!`], whose `$tile[$extra]` this takes too).
 #[cfg(target_arch = "x86_64")]
 macro_rules! by_wide_tiles {
-    ($tile:ident, $w:expr, $ys:expr, $out:expr) => {{
+    ($tile:ident $([$($extra:tt)*])?, $w:expr, $ys:expr, $out:expr) => {{
         let (w, ys, out) = ($w, $ys, $out);
         let wide = ys.len() / 16 * 16;
         for (ys, out) in ys[..wide].chunks_exact(16).zip(out.chunks_exact_mut(16)) {
-            $tile::<16>(w, ys, out);
+            $tile::<16 $(, $($extra)*)?>(w, ys, out);
         }
         let (ys, out) = (&ys[wide..], &mut out[wide..]);
-        by_tiles!($tile, 8, w, ys, out)
+        by_tiles!($tile $([$($extra)*])?, 8, w, ys, out)
     }};
 }
 
@@ -126,7 +127,8 @@ pub(crate) fn prefetch_ahead<T>(first: *const T, b: usize, blocks: usize, block_
     }
 }
 
-/// Our matrix type `$ty` (with `rows`, `cols` and `matmul(x, m)`) as a candle op on CPU tensors, named `$name`.
+/// Our matrix type `$ty` (with methods `rows`, `cols` and `matmul(x, m)`) as a candle op on CPU tensors, named
+/// `$name`.
 macro_rules! matmul_op {
     ($ty:ty, $name:literal) => {
         impl candle_core::CustomOp1 for $ty {
@@ -139,7 +141,7 @@ macro_rules! matmul_op {
                 storage: &candle_core::CpuStorage,
                 layout: &candle_core::Layout,
             ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-                let dims = (self.rows, self.cols);
+                let dims = (self.rows(), self.cols());
                 super::cpu_matmul($name, dims, storage, layout, |x, m| self.matmul(x, m))
             }
         }
@@ -148,9 +150,11 @@ macro_rules! matmul_op {
 
 mod amx;
 mod candle_rows;
+mod fifth_bits;
 pub mod q4_0;
 pub mod q4_1;
 pub mod q5_0;
+pub mod q5_1;
 pub mod q8_0;
 pub mod q8_1;
 mod stacked;
@@ -159,6 +163,7 @@ pub use candle_rows::CandleRows;
 pub use q4_0::Q4_0Matrix;
 pub use q4_1::Q4_1Matrix;
 pub use q5_0::Q5_0Matrix;
+pub use q5_1::Q5_1Matrix;
 pub use q8_0::Q8_0Matrix;
 pub use stacked::Stacked;
 
@@ -176,6 +181,7 @@ pub enum Linear {
     Q4_0(Arc<Q4_0Matrix>),
     Q4_1(Arc<Q4_1Matrix>),
     Q5_0(Arc<Q5_0Matrix>),
+    Q5_1(Arc<Q5_1Matrix>),
     Q8_0(Arc<Q8_0Matrix>),
 }
 
@@ -191,6 +197,9 @@ impl Linear {
             }
             if let Some(m) = Q5_0Matrix::from_qtensor(&q)? {
                 return Ok(Self::Q5_0(Arc::new(m)));
+            }
+            if let Some(m) = Q5_1Matrix::from_qtensor(&q)? {
+                return Ok(Self::Q5_1(Arc::new(m)));
             }
             if let Some(m) = Q8_0Matrix::from_qtensor(&q)? {
                 return Ok(Self::Q8_0(Arc::new(m)));
@@ -225,7 +234,7 @@ impl Linear {
     pub fn rows_independent(&self) -> bool {
         matches!(
             self,
-            Self::Q4_0(_) | Self::Q4_1(_) | Self::Q5_0(_) | Self::Q8_0(_)
+            Self::Q4_0(_) | Self::Q4_1(_) | Self::Q5_0(_) | Self::Q5_1(_) | Self::Q8_0(_)
         )
     }
 
@@ -237,6 +246,7 @@ impl Linear {
             Self::Q4_0(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
             Self::Q4_1(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
             Self::Q5_0(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
+            Self::Q5_1(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
             Self::Q8_0(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
         })
     }
@@ -411,7 +421,7 @@ pub(crate) fn matmul_by_groups(
     out
 }
 
-/// [`matmul_by_groups`] for the kernels that take activations as [`q8_1::Q8Rows`] (Q4_1, Q5_0): `x` (`[m, k]`)
+/// [`matmul_by_groups`] for the kernels that take activations as [`q8_1::Q8Rows`] (Q4_1, Q5_0, Q5_1): `x` (`[m, k]`)
 /// quantized once, with the 256-bit kernels' splat scales when `splat`, and `dots(group, rows, out)` for each
 /// group and tile of rows.
 pub(crate) fn matmul_q8_rows(
@@ -506,7 +516,7 @@ pub trait Repacked: Sized {
     }
 }
 
-/// Nibble bytes of one block of an interleaved group (Q4_0, Q4_1, Q5_0): four parts.
+/// Nibble bytes of one block of an interleaved group (Q4_0, Q4_1, Q5_0, Q5_1): four parts.
 pub(crate) const NIBBLE_BLOCK_QS: usize = 4 * PART_BYTES;
 
 /// Writes a block's sixteen nibble bytes (ggml's order) as lane `k` of block `at` of an interleaved group: byte

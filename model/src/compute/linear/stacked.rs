@@ -2,7 +2,7 @@
 //! the input is quantized once and the threads are woken once (on a GPU: one launch instead of two per part, and
 //! launches are what bound a GPU's decode step). Rows of a stacked matrix are computed exactly as they would be
 //! alone, so results do not change.
-use super::{Linear, Q4_0Matrix, Q4_1Matrix, Q5_0Matrix, Repacked};
+use super::{Linear, Q4_0Matrix, Q4_1Matrix, Q5_0Matrix, Q5_1Matrix, Repacked};
 use crate::error::Result;
 use candle_core::quantized::{QMatMul, QStorage, QTensor};
 use candle_core::Tensor;
@@ -38,6 +38,7 @@ impl Stacked {
         stack_format!(Q4_0, Q4_0Matrix);
         stack_format!(Q4_1, Q4_1Matrix);
         stack_format!(Q5_0, Q5_0Matrix);
+        stack_format!(Q5_1, Q5_1Matrix);
         // candle's quantized matrices on a GPU (on the CPU, the formats our kernels take are stacked above).
         let on_gpu: Vec<&QTensor> = parts
             .iter()
@@ -216,7 +217,12 @@ mod tests {
             let q = QTensor::quantize(&test_matrix(rows, 128, seed), dtype).unwrap();
             Linear::quantized(Arc::new(q), &Device::Cpu).unwrap()
         };
-        for dtype in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0] {
+        for dtype in [
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_0,
+            GgmlDType::Q5_1,
+        ] {
             let parts = vec![part(48, 1, dtype), part(16, 2, dtype), part(16, 3, dtype)];
             let stacked = Stacked::new(parts.clone()).unwrap();
             let Stacked::One(whole, widths) = &stacked else {
@@ -227,6 +233,7 @@ mod tests {
                 (Linear::Q4_0(_), GgmlDType::Q4_0)
                     | (Linear::Q4_1(_), GgmlDType::Q4_1)
                     | (Linear::Q5_0(_), GgmlDType::Q5_0)
+                    | (Linear::Q5_1(_), GgmlDType::Q5_1)
             ));
             assert_eq!(widths, &[48, 16, 16]);
             let x = test_matrix(5, 128, 9);

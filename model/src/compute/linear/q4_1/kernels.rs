@@ -10,8 +10,12 @@
 //! Every kernel gives the reference's result bit for bit: integer sums are exact, and each row's float terms
 //! `sumi * d_w * d_y + m_w * s_y` are formed and added in the reference's order (one lane, block after block, no
 //! fused multiply-add).
-use super::super::q8_1::Q8Row;
-use super::{Q4_1Group, BLOCK_QS, GROUP_ROWS, PART_BYTES};
+//!
+//! Q5_1 ([`super::super::q5_1`]) is the same product with a fifth bit on each weight: a group that has them
+//! (`high`) gets them added as its blocks are unpacked, by a second instance of each kernel (the const `FIVE`), so
+//! that Q4_1's does no more work than before.
+use super::super::{fifth_bits, q8_1::Q8Row};
+use super::{Q4_1Group, BLOCK_MASKS, BLOCK_QS, GROUP_ROWS, PART_BYTES};
 
 /// The best kernel this CPU runs, detected once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +97,7 @@ impl Kernel {
                 && y.qs.len() == nb
                 && (!splat || y.splat.len() == nb))
                 && out.len() >= ys.len()
+                && (w.high.is_empty() || w.high.len() == nb * BLOCK_MASKS)
         );
         match self {
             Kernel::Scalar => group_scalar(w, ys, out),
@@ -110,21 +115,28 @@ impl Kernel {
     }
 }
 
-/// The reference, in ggml's generic `vec_dot_q4_1_q8_1` order of operations (candle's too), on the interleaved
-/// layout: byte `t` of lane `k` in part `p` of a block is byte `4p + t` of row `k`'s ggml nibbles, whose low nibble is
-/// value `4p + t` and high nibble value `4p + t + 16`.
+/// The reference, in ggml's generic `vec_dot_q4_1_q8_1` (and `vec_dot_q5_1_q8_1`) order of operations (candle's
+/// too), on the interleaved layout: byte `t` of lane `k` in part `p` of a block is byte `4p + t` of row `k`'s ggml
+/// nibbles, whose low nibble is value `4p + t` and high nibble value `4p + t + 16`.
 fn group_scalar(w: Q4_1Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
     for (y, o) in ys.iter().zip(out.iter_mut()) {
         for (k, o) in o.iter_mut().enumerate() {
             let mut sum = 0f32;
             for b in 0..w.blocks() {
+                let fifth = |part: usize, t: usize| match w.high.is_empty() {
+                    true => 0,
+                    false => {
+                        let masks = &w.high[b * BLOCK_MASKS..(b + 1) * BLOCK_MASKS];
+                        fifth_bits::scalar(masks, part, (k, t)) as i32
+                    }
+                };
                 let mut sumi = 0i32;
                 for p in 0..4 {
                     for t in 0..4 {
                         let q = w.qs[b * BLOCK_QS + p * PART_BYTES + 4 * k + t];
                         let j = 4 * p + t;
-                        sumi += (q & 0x0F) as i32 * y.qs[b][j] as i32
-                            + (q >> 4) as i32 * y.qs[b][j + 16] as i32;
+                        sumi += ((q & 0x0F) as i32 | fifth(p, t)) * y.qs[b][j] as i32
+                            + ((q >> 4) as i32 | fifth(p + 4, t)) * y.qs[b][j + 16] as i32;
                     }
                 }
                 let (d, m) = (w.d[b * GROUP_ROWS + k], w.m[b * GROUP_ROWS + k]);
@@ -136,13 +148,14 @@ fn group_scalar(w: Q4_1Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]
 }
 
 /// Eight lanes (weight rows) per vector: the group in two halves. The kernels differ only in how a block's 32 byte
-/// products per lane are summed into its 32-bit lane.
+/// products per lane are summed into its 32-bit lane (`$five`: whether the weights have their fifth bits, up to 31).
 #[cfg(target_arch = "x86_64")]
 macro_rules! x86_256_kernel {
-    ($module:ident, $features:literal, |$q:ident, $y:ident| $sum:block) => {
+    ($module:ident, $features:literal, |$q:ident, $y:ident, $five:ident| $sum:block) => {
         mod $module {
+            use super::super::super::fifth_bits::spread_avx2;
             use super::super::super::q8_1::{Q8Row, SplatScales};
-            use super::super::{Q4_1Group, BLOCK_QS, GROUP_ROWS, PART_BYTES};
+            use super::super::{Q4_1Group, BLOCK_MASKS, BLOCK_QS, GROUP_ROWS, PART_BYTES};
             use crate::compute::linear::prefetch_ahead;
             use std::arch::x86_64::*;
 
@@ -158,21 +171,25 @@ macro_rules! x86_256_kernel {
                 // Sixteen vector registers hold eight unpacked weight parts, two scale vectors and a few rows'
                 // accumulators; eight rows a tile spill some of those to the first-level cache, yet measured
                 // 1.05-1.1x faster than four (Zen 3, 16 and 64 rows): the weights are unpacked half as often.
-                by_tiles!(tile, 8, w, ys, out)
+                if w.high.is_empty() {
+                    by_tiles!(tile[false], 8, w, ys, out)
+                } else {
+                    by_tiles!(tile[true], 8, w, ys, out)
+                }
             }
 
-            /// In each 32-bit lane, the sum of a block's 32 products of unsigned weight nibbles (`$q[p]`: values
-            /// `4p..4p + 4` of the block, `$q[p + 4]`: values `4p + 16..4p + 20`) and signed activation bytes
-            /// (`$y`: the block's 32 bytes as eight 32-bit words).
+            /// In each 32-bit lane, the sum of a block's 32 products of unsigned weights (`$q[p]`: values `4p..4p +
+            /// 4` of the block, `$q[p + 4]`: values `4p + 16..4p + 20`; nibbles, or up to 31 when `$five`) and
+            /// signed activation bytes (`$y`: the block's 32 bytes as eight 32-bit words).
             #[inline]
             #[target_feature(enable = $features)]
-            unsafe fn block_sum($q: &[__m256i; 8], $y: *const i32) -> __m256i {
+            unsafe fn block_sum<const $five: bool>($q: &[__m256i; 8], $y: *const i32) -> __m256i {
                 $sum
             }
 
             #[inline]
             #[target_feature(enable = $features)]
-            unsafe fn tile<const N: usize>(
+            unsafe fn tile<const N: usize, const FIVE: bool>(
                 w: Q4_1Group<'_>,
                 ys: &[Q8Row<'_>],
                 out: &mut [[f32; GROUP_ROWS]],
@@ -198,6 +215,14 @@ macro_rules! x86_256_kernel {
                             q[p] = _mm256_and_si256(packed, mask);
                             q[p + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
                         }
+                        if FIVE {
+                            // This half's lanes are bits 32 * half.. of each part's mask.
+                            let high = w.high.as_ptr().add(b * BLOCK_MASKS);
+                            for (p, q) in q.iter_mut().enumerate() {
+                                let bits = (*high.add(p) >> (32 * half)) as u32;
+                                *q = _mm256_or_si256(*q, spread_avx2(bits));
+                            }
+                        }
                         let at = b * GROUP_ROWS + half * LANES;
                         let wd = _mm256_cvtph_ps(_mm_loadu_si128(
                             w.d.as_ptr().add(at) as *const __m128i
@@ -206,7 +231,7 @@ macro_rules! x86_256_kernel {
                             w.m.as_ptr().add(at) as *const __m128i
                         ));
                         each_row!(N, |r| {
-                            let sumi = _mm256_cvtepi32_ps(block_sum(&q, qs[r].add(b * 8)));
+                            let sumi = _mm256_cvtepi32_ps(block_sum::<FIVE>(&q, qs[r].add(b * 8)));
                             let scale = &*scales[r].add(b);
                             let yd = _mm256_load_ps(scale.d.as_ptr());
                             let ysum = _mm256_load_ps(scale.s.as_ptr());
@@ -229,9 +254,11 @@ macro_rules! x86_256_kernel {
 // `maddubs` sums pairs of products into 16-bit lanes. Nibbles are at most 15, so a pair is at most 2 * 15 * 128 in
 // size and the eight parts' pairs add up to at most 30,720: the block's sums stay exact in 16 bits, and one `madd`
 // widens them to 32 at the end. Widening each part instead (a `madd` and an add per part) was 16 of the multiply
-// pipes' operations per block and row, against 9 now; those pipes bound this kernel on CPUs without VNNI.
+// pipes' operations per block and row, against 9 now; those pipes bound this kernel on CPUs without VNNI. Five-bit
+// weights (Q5_1) make a pair up to 2 * 31 * 128 = 7,936, so four parts' pairs fit (31,744) and eight do not: the
+// two halves are widened apart.
 #[cfg(target_arch = "x86_64")]
-x86_256_kernel!(avx2, "avx2,fma,f16c", |q, y| {
+x86_256_kernel!(avx2, "avx2,fma,f16c", |q, y, FIVE| {
     let mut parts = [_mm256_setzero_si256(); 8];
     for (p, part) in parts.iter_mut().enumerate() {
         *part = _mm256_maddubs_epi16(q[p], _mm256_set1_epi32(y.add(p).read_unaligned()));
@@ -245,11 +272,16 @@ x86_256_kernel!(avx2, "avx2,fma,f16c", |q, y| {
         _mm256_add_epi16(parts[4], parts[5]),
         _mm256_add_epi16(parts[6], parts[7]),
     );
-    _mm256_madd_epi16(_mm256_add_epi16(lo, hi), _mm256_set1_epi16(1))
+    let ones = _mm256_set1_epi16(1);
+    if FIVE {
+        _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones))
+    } else {
+        _mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones)
+    }
 });
 // VNNI sums four byte products straight into the 32-bit lane: one instruction per part, in two chains of four.
 #[cfg(target_arch = "x86_64")]
-x86_256_kernel!(avx_vnni, "avx2,fma,f16c,avxvnni", |q, y| {
+x86_256_kernel!(avx_vnni, "avx2,fma,f16c,avxvnni", |q, y, _FIVE| {
     let mut lo = _mm256_setzero_si256();
     let mut hi = _mm256_setzero_si256();
     for p in 0..4 {
@@ -267,18 +299,22 @@ x86_256_kernel!(avx_vnni, "avx2,fma,f16c,avxvnni", |q, y| {
 #[cfg(target_arch = "x86_64")]
 mod avx512_vnni {
     use super::super::super::q8_1::Q8Row;
-    use super::super::{Q4_1Group, BLOCK_QS, GROUP_ROWS, PART_BYTES};
+    use super::super::{Q4_1Group, BLOCK_MASKS, BLOCK_QS, GROUP_ROWS, PART_BYTES};
     use crate::compute::linear::{block_dot_512, prefetch_ahead};
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn group_dots(w: Q4_1Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
-        by_wide_tiles!(tile, w, ys, out)
+        if w.high.is_empty() {
+            by_wide_tiles!(tile[false], w, ys, out)
+        } else {
+            by_wide_tiles!(tile[true], w, ys, out)
+        }
     }
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-    unsafe fn tile<const N: usize>(
+    unsafe fn tile<const N: usize, const FIVE: bool>(
         w: Q4_1Group<'_>,
         ys: &[Q8Row<'_>],
         out: &mut [[f32; GROUP_ROWS]],
@@ -297,12 +333,7 @@ mod avx512_vnni {
             if N > 1 {
                 prefetch_ahead(w.qs.as_ptr(), b, w.blocks(), BLOCK_QS);
             }
-            let mut q = [_mm512_setzero_si512(); 8];
-            for p in 0..4 {
-                let packed = _mm512_loadu_si512(base.add(p * PART_BYTES) as *const __m512i);
-                q[p] = _mm512_and_si512(packed, mask);
-                q[p + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
-            }
+            let q = unpack::<FIVE>(w, b, base, mask);
             let at = b * GROUP_ROWS;
             let wd = _mm512_cvtph_ps(_mm256_loadu_si256(w.d.as_ptr().add(at) as *const __m256i));
             let wm = _mm512_cvtph_ps(_mm256_loadu_si256(w.m.as_ptr().add(at) as *const __m256i));
@@ -314,6 +345,31 @@ mod avx512_vnni {
         for r in 0..N {
             _mm512_storeu_ps(out[r].as_mut_ptr(), acc[r]);
         }
+    }
+
+    /// Block `b`'s eight parts (`base`: its nibble bytes), its fifth bits added when `FIVE`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn unpack<const FIVE: bool>(
+        w: Q4_1Group<'_>,
+        b: usize,
+        base: *const u8,
+        mask: __m512i,
+    ) -> [__m512i; 8] {
+        let mut q = [_mm512_setzero_si512(); 8];
+        for p in 0..4 {
+            let packed = _mm512_loadu_si512(base.add(p * PART_BYTES) as *const __m512i);
+            q[p] = _mm512_and_si512(packed, mask);
+            q[p + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
+        }
+        if FIVE {
+            let high = w.high.as_ptr().add(b * BLOCK_MASKS);
+            let fifth = _mm512_set1_epi8(0x10);
+            for (p, q) in q.iter_mut().enumerate() {
+                *q = _mm512_mask_add_epi8(*q, *high.add(p), *q, fifth);
+            }
+        }
+        q
     }
 
     /// `acc + ((sumi * d_w) * d_y + m_w * s_y)` for one activation block (its scale and sum `(d_y, s_y)`) and
@@ -349,7 +405,7 @@ mod amx {
         by_tiles, configure_thread, signed_by_unsigned, B_BYTES, TILE_ROWS,
     };
     use super::super::super::q8_1::{Q8Row, QK8_1};
-    use super::super::{Q4_1Group, BLOCK_QS, GROUP_ROWS, PART_BYTES};
+    use super::super::{Q4_1Group, BLOCK_QS, GROUP_ROWS};
     use crate::compute::linear::prefetch_ahead;
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
@@ -373,14 +429,19 @@ mod amx {
             ys,
             out,
             |y| y.qs.as_ptr() as usize,
-            |rows, stride, out| unsafe { tile(w, rows, stride, out) },
+            |rows, stride, out| unsafe {
+                match w.high.is_empty() {
+                    true => tile::<false>(w, rows, stride, out),
+                    false => tile::<true>(w, rows, stride, out),
+                }
+            },
             |rows, out| unsafe { super::avx512_vnni::group_dots(w, rows, out) },
         );
     }
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-    unsafe fn tile(
+    unsafe fn tile<const FIVE: bool>(
         w: Q4_1Group<'_>,
         ys: &[Q8Row<'_>],
         stride: usize,
@@ -397,10 +458,10 @@ mod amx {
         // Three stages in flight: block b's float terms, b + 1's tile product, b + 2's unpacking (measured: any
         // distance beyond took the same time). A tile load right after the stores of its weights waits for them to
         // reach the cache, and vector loads right after a tile store wait for it.
-        unpack(w, 0, weights.cast());
+        unpack::<FIVE>(w, 0, weights.cast());
         product(a, 0, stride, weights.cast(), sums.cast());
         if nb > 1 {
-            unpack(w, 1, weights.add(1).cast());
+            unpack::<FIVE>(w, 1, weights.add(1).cast());
         }
         let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
         for b in 0..nb {
@@ -412,7 +473,7 @@ mod amx {
             }
             // Into the buffer block b's product read, one iteration ago.
             if b + 2 < nb {
-                unpack(w, b + 2, weights.add(k).cast());
+                unpack::<FIVE>(w, b + 2, weights.add(k).cast());
             }
             let sums = sums.add(k).cast::<i32>().cast_const();
             let at = b * GROUP_ROWS;
@@ -430,18 +491,15 @@ mod amx {
     }
 
     /// Block `b`'s weights unpacked into `weights` in the layout of the tile's `B`: part `p`'s low nibbles (values
-    /// `4p..4p + 4` of every weight row) are its row `p`, its high nibbles (values `4p + 16..4p + 20`) row `p + 4`.
+    /// `4p..4p + 4` of every weight row) are its row `p`, its high nibbles (values `4p + 16..4p + 20`) row `p + 4`
+    /// (with their fifth bits when `FIVE`).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-    unsafe fn unpack(w: Q4_1Group<'_>, b: usize, weights: *mut u8) {
-        let mask = _mm512_set1_epi8(0x0F);
+    unsafe fn unpack<const FIVE: bool>(w: Q4_1Group<'_>, b: usize, weights: *mut u8) {
         let base = w.qs.as_ptr().add(b * BLOCK_QS);
-        for p in 0..4 {
-            let packed = _mm512_loadu_si512(base.add(p * PART_BYTES) as *const __m512i);
-            let low = _mm512_and_si512(packed, mask);
-            _mm512_store_si512(weights.add(p * 64) as *mut __m512i, low);
-            let high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
-            _mm512_store_si512(weights.add((p + 4) * 64) as *mut __m512i, high);
+        let q = super::avx512_vnni::unpack::<FIVE>(w, b, base, _mm512_set1_epi8(0x0F));
+        for (p, q) in q.into_iter().enumerate() {
+            _mm512_store_si512(weights.add(p * 64) as *mut __m512i, q);
         }
     }
 

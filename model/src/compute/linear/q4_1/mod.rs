@@ -11,6 +11,7 @@ mod kernels;
 
 pub use kernels::Kernel;
 
+use super::fifth_bits::BLOCK_MASKS;
 use super::{interleaved, nibbles, put_nibbles, Repacked, GROUP_ROWS, NIBBLE_BLOCK_QS, PART_BYTES};
 
 use super::q8_1::QK8_1;
@@ -37,12 +38,14 @@ pub struct Q4_1Matrix {
     cols: usize,
 }
 
-/// One group's blocks: `d` and `m` hold `GROUP_ROWS` halves per block, `qs` [`BLOCK_QS`] bytes.
+/// One group's blocks: `d` and `m` hold `GROUP_ROWS` halves per block, `qs` [`BLOCK_QS`] bytes, and for a Q5_1
+/// matrix ([`super::q5_1`]) `high` the fifth bits ([`BLOCK_MASKS`] masks a block; empty for Q4_1).
 #[derive(Debug, Clone, Copy)]
 pub struct Q4_1Group<'a> {
     pub d: &'a [f16],
     pub m: &'a [f16],
     pub qs: &'a [u8],
+    pub high: &'a [u64],
 }
 
 impl Q4_1Group<'_> {
@@ -52,13 +55,14 @@ impl Q4_1Group<'_> {
 }
 
 impl Q4_1Matrix {
-    fn group(&self, g: usize) -> Q4_1Group<'_> {
+    pub(super) fn group(&self, g: usize) -> Q4_1Group<'_> {
         let per_group = self.cols / QK4_1 * GROUP_ROWS;
         let i = g * per_group..(g + 1) * per_group;
         Q4_1Group {
             d: &self.d[i.clone()],
             m: &self.m[i],
             qs: &self.qs[g * per_group * QK4_1 / 2..(g + 1) * per_group * QK4_1 / 2],
+            high: &[],
         }
     }
 
@@ -82,14 +86,22 @@ impl Q4_1Matrix {
     /// [`Self::matmul`] with a chosen kernel (tests compare kernels).
     pub fn matmul_with(&self, kernel: Kernel, x: &[f32], m: usize) -> Vec<f32> {
         debug_assert_eq!(x.len(), m * self.cols);
-        debug_assert_eq!(self.cols % QK8_1, 0);
-        super::matmul_q8_rows(
-            self.rows,
-            (x, m),
-            kernel.reads_splat_scales(),
-            |g, rows, out| kernel.group_dots(self.group(g), rows, out),
-        )
+        matmul_groups(kernel, self.rows, (x, m), |g| self.group(g))
     }
+}
+
+/// `x` (`[m, k]`, `k` a multiple of 32) times the transpose of a matrix of `rows` rows whose groups `group` gives
+/// (Q4_1's or Q5_1's), with `kernel`.
+pub(super) fn matmul_groups<'w>(
+    kernel: Kernel,
+    rows: usize,
+    (x, m): (&[f32], usize),
+    group: impl Fn(usize) -> Q4_1Group<'w> + Sync,
+) -> Vec<f32> {
+    debug_assert_eq!(x.len().checked_div(m).unwrap_or(0) % QK8_1, 0);
+    super::matmul_q8_rows(rows, (x, m), kernel.reads_splat_scales(), |g, rows, out| {
+        kernel.group_dots(group(g), rows, out)
+    })
 }
 
 impl Repacked for Q4_1Matrix {

@@ -8,7 +8,7 @@
 //! quantization counted it (`Q8Row::sum`). Integer sums are exact, so every kernel gives the reference's result bit for bit: each row's
 //! float terms `(sumi * d_w) * d_y` formed and added in the reference's order (one lane, block after block, no fused
 //! multiply-add), as candle's `vec_dot_q5_0_q8_0` does.
-use super::super::q8_1::Q8Row;
+use super::super::{fifth_bits, q8_1::Q8Row};
 use super::{Q5_0Group, BLOCK_MASKS, BLOCK_QS, GROUP_ROWS, PART_BYTES};
 
 pub use super::super::VectorKernel as Kernel;
@@ -48,8 +48,8 @@ fn group_scalar(w: Q5_0Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]
         for (k, o) in o.iter_mut().enumerate() {
             let mut sum = 0f32;
             for b in 0..w.blocks() {
-                let mask = &w.high[b * BLOCK_MASKS..(b + 1) * BLOCK_MASKS];
-                let fifth = |part: usize, t: usize| ((mask[part] >> (4 * k + t) & 1) << 4) as i32;
+                let masks = &w.high[b * BLOCK_MASKS..(b + 1) * BLOCK_MASKS];
+                let fifth = |part: usize, t: usize| fifth_bits::scalar(masks, part, (k, t)) as i32;
                 let mut sumi = 0i32;
                 for p in 0..4 {
                     for t in 0..4 {
@@ -71,6 +71,7 @@ fn group_scalar(w: Q5_0Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]
 /// that covers its lanes, spread to bytes.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
+    use super::super::super::fifth_bits::spread_avx2;
     use super::{Q5_0Group, Q8Row, BLOCK_MASKS, BLOCK_QS, GROUP_ROWS, PART_BYTES};
     use crate::compute::linear::prefetch_ahead;
     use std::arch::x86_64::*;
@@ -81,27 +82,6 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn group_dots(w: Q5_0Group<'_>, ys: &[Q8Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
         by_tiles!(tile, 8, w, ys, out)
-    }
-
-    /// `0x10` in byte `i` where bit `i` of `bits` is set, else 0.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn fifth_bits(bits: u32) -> __m256i {
-        // Byte i takes byte i / 8 of `bits`; or-ing every bit but bit i % 8 leaves all ones exactly where it is set.
-        let spread = _mm256_shuffle_epi8(
-            _mm256_set1_epi32(bits as i32),
-            _mm256_set_epi64x(
-                0x0303_0303_0303_0303,
-                0x0202_0202_0202_0202,
-                0x0101_0101_0101_0101,
-                0,
-            ),
-        );
-        let others = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
-        _mm256_and_si256(
-            _mm256_cmpeq_epi8(others, _mm256_set1_epi64x(-1)),
-            _mm256_set1_epi8(0x10),
-        )
     }
 
     #[inline]
@@ -125,7 +105,7 @@ mod avx2 {
                 let mut q = [_mm256_setzero_si256(); 8];
                 for p in 0..4 {
                     let packed = _mm256_loadu_si256(base.add(p * PART_BYTES) as *const __m256i);
-                    let bits = |part: usize| fifth_bits((*high.add(part) >> (32 * half)) as u32);
+                    let bits = |part: usize| spread_avx2((*high.add(part) >> (32 * half)) as u32);
                     q[p] = _mm256_or_si256(_mm256_and_si256(packed, mask), bits(p));
                     q[p + 4] = _mm256_or_si256(
                         _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask),

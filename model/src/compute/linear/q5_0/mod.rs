@@ -4,16 +4,19 @@
 //! a multiple of 256 (SmolLM2's 576: 166 of its 210 matrices).
 //!
 //! A block's low four bits are laid out as Q4_1's are ([`super::q4_1`]: four parts, each four bytes of every row
-//! of the group, row `k` at `4k`). Its fifth bits are regrouped the same way, as one 64-bit mask per part: bit
-//! `4k + t` of part `p`'s mask is the fifth bit of the value whose low nibble is byte `t` of row `k` in part `p`
-//! (parts 0-3: the low nibbles, values `4p + t`; parts 4-7: the high nibbles, values `4(p - 4) + t + 16`), so a
-//! masked add puts every row's fifth bits in place at once. Twenty-two bytes a block, as in the file.
+//! of the group, row `k` at `4k`). Its fifth bits are regrouped the same way, as one 64-bit mask per part
+//! ([`super::fifth_bits`]), so a masked add puts every row's fifth bits in place at once. Twenty-two bytes a block,
+//! as in the file.
 mod kernels;
 
 pub use kernels::Kernel;
 
+use super::fifth_bits::BLOCK_MASKS;
 use super::q8_1::QK8_1;
-use super::{interleaved, nibbles, put_nibbles, Repacked, GROUP_ROWS, NIBBLE_BLOCK_QS, PART_BYTES};
+use super::{
+    fifth_bits, interleaved, nibbles, put_nibbles, Repacked, GROUP_ROWS, NIBBLE_BLOCK_QS,
+    PART_BYTES,
+};
 use crate::error::Result;
 use candle_core::quantized::GgmlDType;
 use half::f16;
@@ -25,8 +28,6 @@ pub const QK5_0: usize = 32;
 const BLOCK_BYTES: usize = 22;
 /// Nibble bytes of one block of a group.
 pub const BLOCK_QS: usize = NIBBLE_BLOCK_QS;
-/// Fifth-bit masks of one block of a group: one per part.
-pub const BLOCK_MASKS: usize = 8;
 
 /// A `[rows, cols]` Q5_0 matrix (`cols` a multiple of 32), as `y = x W^T`'s `W`.
 #[derive(Debug)]
@@ -54,16 +55,6 @@ impl Q5_0Group<'_> {
     pub fn blocks(&self) -> usize {
         self.d.len() / GROUP_ROWS
     }
-}
-
-/// Part and bit of the fifth-bit masks that value `j` (0..32) of row `k` goes to.
-fn mask_bit(j: usize, k: usize) -> (usize, u32) {
-    let (part, t) = if j < 16 {
-        (j / 4, j % 4)
-    } else {
-        (4 + (j - 16) / 4, (j - 16) % 4)
-    };
-    (part, (4 * k + t) as u32)
 }
 
 impl Q5_0Matrix {
@@ -130,10 +121,7 @@ impl Repacked for Q5_0Matrix {
             let (at, k) = interleaved(i / nb, i % nb, nb);
             w.d[at * GROUP_ROWS + k] = f16::from_le_bytes([b[0], b[1]]);
             let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-            for j in (0..QK5_0).filter(|j| qh >> j & 1 == 1) {
-                let (part, bit) = mask_bit(j, k);
-                w.high[at * BLOCK_MASKS + part] |= 1 << bit;
-            }
+            fifth_bits::put(&mut w.high, (at, k), qh);
             put_nibbles(&mut w.qs, (at, k), &b[6..]);
         }
         Ok(w)
@@ -146,11 +134,7 @@ impl Repacked for Q5_0Matrix {
             for block in 0..nb {
                 let (at, k) = interleaved(row, block, nb);
                 out.extend(self.d[at * GROUP_ROWS + k].to_le_bytes());
-                let qh = (0..QK5_0).fold(0u32, |qh, j| {
-                    let (part, bit) = mask_bit(j, k);
-                    qh | (((self.high[at * BLOCK_MASKS + part] >> bit) & 1) as u32) << j
-                });
-                out.extend(qh.to_le_bytes());
+                out.extend(fifth_bits::get(&self.high, (at, k)).to_le_bytes());
                 out.extend(nibbles(&self.qs, (at, k)));
             }
         }
