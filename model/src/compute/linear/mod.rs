@@ -559,6 +559,61 @@ pub(crate) fn assert_repacks_and_stacks<M: Repacked>(
     }
 }
 
+/// A format's product with one chosen kernel (`matmul_with`), as the kernels' tests call it.
+#[cfg(test)]
+pub(crate) type KernelProduct<M, K> = fn(&M, K, &[f32], usize) -> Vec<f32>;
+
+/// Every kernel in `kernels` gives candle's product bit for bit: a random `M::DTYPE` matrix of 37 rows (two full
+/// groups and a partial one) for each width in `cols`, against each count of activation rows in `rows`.
+#[cfg(test)]
+pub(crate) fn assert_every_kernel_equals_candle<M: Repacked, K: Copy + std::fmt::Debug>(
+    kernels: &[K],
+    (cols, rows): (&[usize], &[usize]),
+    seed: u64,
+    matmul: KernelProduct<M, K>,
+) {
+    for &c in cols {
+        let q = QTensor::quantize(&test_matrix(37, c, seed), M::DTYPE).expect("quantized");
+        let m = M::from_qtensor(&q)
+            .expect("repacked")
+            .expect("one of our formats");
+        let candle = QMatMul::from_qtensor(q).expect("candle's matrix");
+        for &r in rows {
+            let (want, xs) = candle_product(&candle, &test_matrix(r, c, r as u64));
+            for &kernel in kernels {
+                let got = matmul(&m, kernel, &xs, r);
+                assert_eq!(got, want, "{:?}, {kernel:?}, {r} rows of {c}", M::DTYPE);
+            }
+        }
+    }
+}
+
+/// Hand-made ggml blocks (`data`, `[rows, cols]` of `M::DTYPE`) repack and give their bytes back, and every kernel
+/// in `kernels` gives candle's product with `x` bit for bit.
+#[cfg(test)]
+pub(crate) fn assert_blocks_equal_candle<M: Repacked, K: Copy + std::fmt::Debug>(
+    (data, rows, cols): (&[u8], usize, usize),
+    x: &Tensor,
+    kernels: &[K],
+    matmul: KernelProduct<M, K>,
+) {
+    let m = M::from_bytes(data, rows, cols).expect("repacked");
+    assert_eq!(m.to_bytes(), data);
+    let q = candle_core::quantized::ggml_file::qtensor_from_ggml(
+        M::DTYPE,
+        data,
+        vec![rows, cols],
+        &Device::Cpu,
+    )
+    .expect("candle's matrix");
+    let candle = QMatMul::from_qtensor(q).expect("candle's matrix");
+    let (want, xs) = candle_product(&candle, x);
+    for &kernel in kernels {
+        let got = matmul(&m, kernel, &xs, x.dims()[0]);
+        assert_eq!(got, want, "{:?}, {kernel:?}", M::DTYPE);
+    }
+}
+
 /// Reproducible uniform values in [-0.5, 0.5) for the kernels' tests.
 #[cfg(test)]
 pub(crate) fn test_matrix(rows: usize, cols: usize, seed: u64) -> Tensor {

@@ -117,10 +117,10 @@ matmul_op!(Q5_1Matrix, "petal-q5_1-matmul");
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::quantized::{QMatMul, QTensor};
+    use candle_core::quantized::QTensor;
     use candle_core::Device;
 
-    use super::super::{candle_product, test_matrix as random};
+    use super::super::test_matrix as random;
 
     fn q5_1(rows: usize, cols: usize) -> (QTensor, Q5_1Matrix) {
         let q = QTensor::quantize(&random(rows, cols, 7), GgmlDType::Q5_1).unwrap();
@@ -139,18 +139,15 @@ mod tests {
         // As for Q4_1 (the same kernels): 37 weight rows (two full groups and a partial one); activation rows
         // around the 8-row, 16-row and 64-row tiles, with every remainder of an 8-row tile; widths of an even
         // number of blocks (candle's Q5_1 product asserts it in debug builds), two blocks up.
-        for cols in [448, 64, 128] {
-            let (q, m) = q5_1(37, cols);
-            let candle = QMatMul::from_qtensor(q).unwrap();
-            for rows in [1, 2, 3, 4, 5, 6, 7, 8, 11, 15, 16, 17, 25, 40, 67] {
-                let x = random(rows, cols, rows as u64);
-                let (want, xs) = candle_product(&candle, &x);
-                for kernel in Kernel::available() {
-                    let got = m.matmul_with(kernel, &xs, rows);
-                    assert_eq!(got, want, "{kernel:?}, {rows} rows of {cols}");
-                }
-            }
-        }
+        super::super::assert_every_kernel_equals_candle(
+            &Kernel::available(),
+            (
+                &[448, 64, 128],
+                &[1, 2, 3, 4, 5, 6, 7, 8, 11, 15, 16, 17, 25, 40, 67],
+            ),
+            7,
+            Q5_1Matrix::matmul_with,
+        );
     }
 
     #[test]
@@ -175,24 +172,15 @@ mod tests {
                 }
             }
         }
-        let m = Q5_1Matrix::from_bytes(&data, 34, cols).unwrap();
-        assert_eq!(m.to_bytes(), data);
-        let q = candle_core::quantized::ggml_file::qtensor_from_ggml(
-            GgmlDType::Q5_1,
-            &data,
-            vec![34, cols],
-            &Device::Cpu,
-        )
-        .unwrap();
-        let candle = QMatMul::from_qtensor(q).unwrap();
         let mut x = random(3, cols, 11).to_vec2::<f32>().unwrap();
         x.push(vec![0.75; cols]);
         x.push(vec![-0.75; cols]);
-        let x = candle_core::Tensor::new(x, &Device::Cpu).unwrap();
-        let (want, xs) = candle_product(&candle, &x);
-        for kernel in Kernel::available() {
-            assert_eq!(m.matmul_with(kernel, &xs, 5), want, "{kernel:?}");
-        }
+        super::super::assert_blocks_equal_candle(
+            (&data, 34, cols),
+            &candle_core::Tensor::new(x, &Device::Cpu).unwrap(),
+            &Kernel::available(),
+            Q5_1Matrix::matmul_with,
+        );
     }
 
     #[test]

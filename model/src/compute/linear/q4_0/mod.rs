@@ -135,9 +135,9 @@ matmul_op!(Q4_0Matrix, "petal-q4_0-matmul");
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::quantized::{QMatMul, QTensor};
+    use candle_core::quantized::QTensor;
 
-    use super::super::{candle_product, test_matrix as random};
+    use super::super::test_matrix as random;
 
     fn q4_0(rows: usize, cols: usize) -> (QTensor, Q4_0Matrix) {
         let q = QTensor::quantize(&random(rows, cols, 11), GgmlDType::Q4_0).unwrap();
@@ -155,18 +155,12 @@ mod tests {
     fn every_kernel_equals_candle_bit_for_bit() {
         // 37 weight rows: two full groups and a partial one; activation rows around the kernels' tiles of two and
         // their remainders; rows of one, two and eighteen blocks (SmolLM2's 576).
-        for cols in [576, 32, 64] {
-            let (q, m) = q4_0(37, cols);
-            let candle = QMatMul::from_qtensor(q).unwrap();
-            for rows in [1, 2, 3, 4, 5, 16, 17, 67] {
-                let x = random(rows, cols, rows as u64);
-                let (want, xs) = candle_product(&candle, &x);
-                for kernel in Kernel::available() {
-                    let got = m.matmul_with(kernel, &xs, rows);
-                    assert_eq!(got, want, "{kernel:?}, {rows} rows of {cols}");
-                }
-            }
-        }
+        super::super::assert_every_kernel_equals_candle(
+            &Kernel::available(),
+            (&[576, 32, 64], &[1, 2, 3, 4, 5, 16, 17, 67]),
+            11,
+            Q4_0Matrix::matmul_with,
+        );
     }
 
     #[test]
@@ -181,21 +175,12 @@ mod tests {
                 data.extend((0..16).map(|i| [0x0F, 0xF0, 0x00, 0xFF][(row + block + i) % 4]));
             }
         }
-        let m = Q4_0Matrix::from_bytes(&data, rows, cols).unwrap();
-        assert_eq!(m.to_bytes(), data);
-        let q = candle_core::quantized::ggml_file::qtensor_from_ggml(
-            GgmlDType::Q4_0,
-            &data,
-            vec![rows, cols],
-            &candle_core::Device::Cpu,
-        )
-        .unwrap();
-        let candle = QMatMul::from_qtensor(q).unwrap();
-        let x = random(3, cols, 13);
-        let (want, xs) = candle_product(&candle, &x);
-        for kernel in Kernel::available() {
-            assert_eq!(m.matmul_with(kernel, &xs, 3), want, "{kernel:?}");
-        }
+        super::super::assert_blocks_equal_candle(
+            (&data, rows, cols),
+            &random(3, cols, 13),
+            &Kernel::available(),
+            Q4_0Matrix::matmul_with,
+        );
     }
 
     #[test]

@@ -155,9 +155,9 @@ matmul_op!(Q4_1Matrix, "petal-q4_1-matmul");
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::quantized::{QMatMul, QTensor};
+    use candle_core::quantized::QTensor;
 
-    use super::super::{candle_product, test_matrix as random};
+    use super::super::test_matrix as random;
 
     fn q4_1(rows: usize, cols: usize) -> (QTensor, Q4_1Matrix) {
         let q = QTensor::quantize(&random(rows, cols, 7), GgmlDType::Q4_1).unwrap();
@@ -176,18 +176,15 @@ mod tests {
         // 37 weight rows: two full groups and a partial one; activation rows around the 4-row, 8-row, 16-row and
         // 64-row tiles, with every remainder of an 8-row tile from 1 to 7 among them, and 16-row tiles followed by
         // tiles of eight and fewer; rows of one and two blocks too (shorter than the tile kernel's pipeline).
-        for cols in [416, 32, 64] {
-            let (q, m) = q4_1(37, cols);
-            let candle = QMatMul::from_qtensor(q).unwrap();
-            for rows in [1, 2, 3, 4, 5, 6, 8, 11, 15, 16, 25, 40, 67] {
-                let x = random(rows, cols, rows as u64);
-                let (want, xs) = candle_product(&candle, &x);
-                for kernel in Kernel::available() {
-                    let got = m.matmul_with(kernel, &xs, rows);
-                    assert_eq!(got, want, "{kernel:?}, {rows} rows of {cols}");
-                }
-            }
-        }
+        super::super::assert_every_kernel_equals_candle(
+            &Kernel::available(),
+            (
+                &[416, 32, 64],
+                &[1, 2, 3, 4, 5, 6, 8, 11, 15, 16, 25, 40, 67],
+            ),
+            7,
+            Q4_1Matrix::matmul_with,
+        );
     }
 
     #[test]

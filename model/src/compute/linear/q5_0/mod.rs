@@ -155,10 +155,9 @@ matmul_op!(Q5_0Matrix, "petal-q5_0-matmul");
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::quantized::{QMatMul, QTensor};
-    use candle_core::Device;
+    use candle_core::quantized::QTensor;
 
-    use super::super::{candle_product, test_matrix as random};
+    use super::super::test_matrix as random;
 
     fn q5_0(rows: usize, cols: usize) -> (QTensor, Q5_0Matrix) {
         let q = QTensor::quantize(&random(rows, cols, 7), GgmlDType::Q5_0).unwrap();
@@ -177,18 +176,15 @@ mod tests {
         // 37 weight rows: two full groups and a partial one; activation rows around the 8-row and 16-row tiles,
         // with every remainder of an 8-row tile among them, and more than one 64-row tile of the matmul. Widths of
         // an even number of blocks (candle's Q5_0 product asserts it in debug builds), from two blocks up.
-        for cols in [448, 64, 128] {
-            let (q, m) = q5_0(37, cols);
-            let candle = QMatMul::from_qtensor(q).unwrap();
-            for rows in [1, 2, 3, 4, 5, 6, 7, 8, 11, 15, 16, 17, 25, 40, 67] {
-                let x = random(rows, cols, rows as u64);
-                let (want, xs) = candle_product(&candle, &x);
-                for kernel in Kernel::available() {
-                    let got = m.matmul_with(kernel, &xs, rows);
-                    assert_eq!(got, want, "{kernel:?}, {rows} rows of {cols}");
-                }
-            }
-        }
+        super::super::assert_every_kernel_equals_candle(
+            &Kernel::available(),
+            (
+                &[448, 64, 128],
+                &[1, 2, 3, 4, 5, 6, 7, 8, 11, 15, 16, 17, 25, 40, 67],
+            ),
+            7,
+            Q5_0Matrix::matmul_with,
+        );
     }
 
     #[test]
@@ -208,21 +204,12 @@ mod tests {
                 data.extend((0..16u8).map(|i| i.wrapping_mul(7).wrapping_add(row as u8)));
             }
         }
-        let m = Q5_0Matrix::from_bytes(&data, 33, cols).unwrap();
-        assert_eq!(m.to_bytes(), data);
-        let q = candle_core::quantized::ggml_file::qtensor_from_ggml(
-            GgmlDType::Q5_0,
-            &data,
-            vec![33, cols],
-            &Device::Cpu,
-        )
-        .unwrap();
-        let candle = QMatMul::from_qtensor(q).unwrap();
-        let x = random(3, cols, 11);
-        let (want, xs) = candle_product(&candle, &x);
-        for kernel in Kernel::available() {
-            assert_eq!(m.matmul_with(kernel, &xs, 3), want, "{kernel:?}");
-        }
+        super::super::assert_blocks_equal_candle(
+            (&data, 33, cols),
+            &random(3, cols, 11),
+            &Kernel::available(),
+            Q5_0Matrix::matmul_with,
+        );
     }
 
     #[test]
