@@ -6,6 +6,7 @@
 //! ([`wire`]).
 pub mod block;
 pub mod block_range;
+mod cuda;
 pub mod family;
 pub(crate) mod gathering;
 pub mod hash_cache;

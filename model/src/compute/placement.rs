@@ -137,7 +137,7 @@ impl DeviceSpec {
                         "{n} CUDA device(s) visible (CUDA_VISIBLE_DEVICES applies)"
                     )));
                 }
-                Device::new_cuda(i).map_err(|e| err(e.to_string()))
+                super::cuda::open(i).map_err(err)
             }
             Self::Metal(i) => {
                 if !candle_core::utils::metal_is_available() {
@@ -237,11 +237,11 @@ pub fn device_memory(d: &Device) -> Option<(u64, u64)> {
 }
 
 /// The devices a test runs on: the CPU, and the first CUDA GPU in builds that have one and on machines that have
-/// one (elsewhere `Device::new_cuda` is an error, and the test runs on the CPU alone).
+/// one (elsewhere opening it is an error, and the test runs on the CPU alone).
 #[cfg(test)]
 pub(crate) fn test_devices() -> Vec<Device> {
     let mut devices = vec![Device::Cpu];
-    if let Ok(gpu) = Device::new_cuda(0) {
+    if let Ok(gpu) = DeviceSpec::Cuda(0).open() {
         devices.push(gpu);
     }
     devices
