@@ -12,8 +12,7 @@ use candle_core::Device;
 pub(crate) fn open(ordinal: usize) -> Result<Device, String> {
     let device = Device::new_cuda(ordinal).map_err(|e| e.to_string())?;
     #[cfg(feature = "cuda")]
-    {
-        let cuda = device.as_cuda_device().map_err(|e| e.to_string())?;
+    if let Device::Cuda(cuda) = &device {
         // SAFETY: cudarc waits on these events only in its multi-stream mode, which starts when a stream is
         // created; nothing in Petal creates one, so turning them off changes no synchronisation. Tensors made
         // after this call carry no events.
