@@ -206,7 +206,7 @@ macro_rules! x86_256_kernel {
                         let base = w.qs.as_ptr().add(b * BLOCK_QS + half * 4 * LANES);
                         // As in the 512-bit kernel: the first half's pass brings each block from memory.
                         if N > 1 && half == 0 {
-                            prefetch_ahead(w.qs.as_ptr(), b, w.blocks(), BLOCK_QS);
+                            prefetch_ahead(w.qs.as_ptr(), b, BLOCK_QS);
                         }
                         let mut q = [_mm256_setzero_si256(); 8];
                         for p in 0..4 {
@@ -331,7 +331,7 @@ mod avx512_vnni {
             // With several rows a block computes long enough for the next weights, which come from memory, to
             // arrive late: fetch a few blocks ahead. A lone row streams fast enough for the hardware prefetcher.
             if N > 1 {
-                prefetch_ahead(w.qs.as_ptr(), b, w.blocks(), BLOCK_QS);
+                prefetch_ahead(w.qs.as_ptr(), b, BLOCK_QS);
             }
             let q = unpack::<FIVE>(w, b, base, mask);
             let at = b * GROUP_ROWS;
@@ -466,7 +466,7 @@ mod amx {
         let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
         for b in 0..nb {
             let k = b & 1;
-            prefetch_ahead(w.qs.as_ptr(), b, nb, BLOCK_QS);
+            prefetch_ahead(w.qs.as_ptr(), b, BLOCK_QS);
             if b + 1 < nb {
                 let (next_weights, next_sums) = (weights.add(k ^ 1), sums.add(k ^ 1));
                 product(a, b + 1, stride, next_weights.cast(), next_sums.cast());

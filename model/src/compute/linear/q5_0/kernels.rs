@@ -99,7 +99,7 @@ mod avx2 {
             for b in 0..w.blocks() {
                 let base = w.qs.as_ptr().add(b * BLOCK_QS + half * 4 * LANES);
                 if N > 1 && half == 0 {
-                    prefetch_ahead(w.qs.as_ptr(), b, w.blocks(), BLOCK_QS);
+                    prefetch_ahead(w.qs.as_ptr(), b, BLOCK_QS);
                 }
                 let high = w.high.as_ptr().add(b * BLOCK_MASKS);
                 let mut q = [_mm256_setzero_si256(); 8];
@@ -177,7 +177,7 @@ mod avx512_vnni {
         for b in 0..w.blocks() {
             let base = w.qs.as_ptr().add(b * BLOCK_QS);
             if N > 1 {
-                prefetch_ahead(w.qs.as_ptr(), b, w.blocks(), BLOCK_QS);
+                prefetch_ahead(w.qs.as_ptr(), b, BLOCK_QS);
             }
             let high = w.high.as_ptr().add(b * BLOCK_MASKS);
             let mut q = [_mm512_setzero_si512(); 8];

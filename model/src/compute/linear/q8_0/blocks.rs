@@ -67,7 +67,7 @@ pub(super) mod avx2 {
                 // As in the 512-bit kernel: the head's weights come from memory, and several rows compute long
                 // enough per block for them to arrive late; the first half's pass brings each block in.
                 if half == 0 {
-                    prefetch_ahead(w.qs.as_ptr(), b, w.blocks(), BLOCK_QS);
+                    prefetch_ahead(w.qs.as_ptr(), b, BLOCK_QS);
                 }
                 let at = b * GROUP_ROWS + half * LANES;
                 let wd = _mm256_cvtph_ps(_mm_loadu_si128(w.d.as_ptr().add(at) as *const __m128i));
@@ -126,7 +126,7 @@ pub(super) mod avx2 {
 #[cfg(target_arch = "x86_64")]
 pub(super) mod avx512_vnni {
     use super::{Q8_0Group, Q8_0Row, BLOCK_QS, GROUP_ROWS, PART_BYTES, QK8_0};
-    use crate::compute::linear::prefetch_ahead;
+    use crate::compute::linear::{prefetch_ahead, prefetch_far};
     use std::arch::x86_64::*;
 
     /// Activation rows per tile: their accumulators and a block's eight weight vectors take sixteen of the
@@ -158,7 +158,8 @@ pub(super) mod avx512_vnni {
             // few blocks ahead (an LM head's 30 MB come from memory; 10% faster for 16 rows). A lone row streams
             // fast enough that the hardware prefetcher keeps up, and the hints only cost it.
             if N > 1 {
-                prefetch_ahead(w.qs.as_ptr(), b, w.blocks(), BLOCK_QS);
+                prefetch_ahead(w.qs.as_ptr(), b, BLOCK_QS);
+                prefetch_far(w.qs.as_ptr(), b, BLOCK_QS);
             }
             // `dpbusd` takes unsigned weights: w + 128 (the sign bit flipped), and each row's sum starts at
             // -128 * sum(x) to take the offset back out, so it ends as the block's exact signed sum.
@@ -245,7 +246,7 @@ pub(super) mod amx {
         for b in 0..nb {
             let k = b & 1;
             // A tile load waits for its data, and the head's weights come from memory.
-            prefetch_ahead(weights, b, nb, BLOCK_QS);
+            prefetch_ahead(weights, b, BLOCK_QS);
             if b + 1 < nb {
                 let next = (a.add((b + 1) * QK8_0), weights.add((b + 1) * BLOCK_QS));
                 signed_by_signed(next.0, stride, next.1, sums.add(k ^ 1).cast());
