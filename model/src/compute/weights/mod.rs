@@ -8,6 +8,7 @@ mod llama2c;
 mod safetensors;
 mod shards;
 
+pub(crate) use gguf::read_header as read_gguf_header;
 pub use gguf::GgufWeights;
 pub use llama2c::Llama2cWeights;
 pub use safetensors::SafetensorsWeights;

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use candle_core::quantized::gguf_file::{self, Value as GgufValue};
+use candle_core::quantized::gguf_file::Value as GgufValue;
 use serde_json::{json, Map, Value};
 
 use super::spm::{self, Piece, PieceKind};
@@ -18,7 +18,7 @@ pub(crate) type Metadata = HashMap<String, GgufValue>;
 /// Reads only the header (metadata and tensor index), not the tensor data.
 pub(crate) fn read_metadata(path: &Path) -> Result<Metadata> {
     let mut file = std::fs::File::open(path).map_err(|e| super::read_error(path, &e))?;
-    let content = gguf_file::Content::read(&mut file).map_err(|e| {
+    let content = crate::compute::weights::read_gguf_header(&mut file).map_err(|e| {
         ModelError::Tokenizer(format!(
             "cannot read GGUF metadata from {}: {e}",
             path.display()
