@@ -182,6 +182,7 @@ pub mod q5_1;
 pub mod q8_0;
 pub mod q8_1;
 mod stacked;
+mod weight_bytes;
 
 pub use candle_rows::CandleRows;
 pub use q4_0::Q4_0Matrix;
@@ -190,6 +191,7 @@ pub use q5_0::Q5_0Matrix;
 pub use q5_1::Q5_1Matrix;
 pub use q8_0::Q8_0Matrix;
 pub use stacked::Stacked;
+pub(crate) use weight_bytes::WeightBytes;
 
 use crate::error::Result;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};

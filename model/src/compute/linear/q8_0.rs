@@ -47,7 +47,7 @@ pub struct Q8_0Matrix {
     /// `[group][block][row of the group]`.
     d: Vec<f16>,
     /// `[group][block][part][row of the group][byte]`.
-    qs: Vec<i8>,
+    qs: super::WeightBytes<i8>,
     rows: usize,
     cols: usize,
 }
@@ -143,7 +143,7 @@ impl Q8_0Matrix {
         let mut w = Self {
             summation: Summation::Lanes,
             d: vec![f16::ZERO; slots],
-            qs: vec![0; slots * QK8_0],
+            qs: super::WeightBytes::zeroed(slots * QK8_0),
             rows,
             cols,
         };

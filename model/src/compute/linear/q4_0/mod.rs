@@ -33,7 +33,7 @@ pub struct Q4_0Matrix {
     /// `[group][block][row of the group]`.
     d: Vec<f16>,
     /// `[group][block][part][row of the group][byte]`.
-    qs: Vec<u8>,
+    qs: super::WeightBytes<u8>,
     rows: usize,
     cols: usize,
 }
@@ -96,7 +96,7 @@ impl Repacked for Q4_0Matrix {
         let slots = rows.div_ceil(GROUP_ROWS) * nb;
         let mut w = Self {
             d: vec![f16::ZERO; slots * GROUP_ROWS],
-            qs: vec![0; slots * BLOCK_QS],
+            qs: super::WeightBytes::zeroed(slots * BLOCK_QS),
             rows,
             cols,
         };

@@ -33,7 +33,7 @@ pub struct Q4_1Matrix {
     d: Vec<f16>,
     m: Vec<f16>,
     /// `[group][block][part][row of the group][byte]`.
-    qs: Vec<u8>,
+    qs: super::WeightBytes<u8>,
     rows: usize,
     cols: usize,
 }
@@ -114,7 +114,7 @@ impl Repacked for Q4_1Matrix {
         let mut w = Self {
             d: vec![f16::ZERO; slots],
             m: vec![f16::ZERO; slots],
-            qs: vec![0; slots * QK4_1 / 2],
+            qs: super::WeightBytes::zeroed(slots * QK4_1 / 2),
             rows,
             cols,
         };

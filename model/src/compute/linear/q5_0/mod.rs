@@ -35,7 +35,7 @@ pub struct Q5_0Matrix {
     /// `[group][block][row of the group]`.
     d: Vec<f16>,
     /// `[group][block][part][row of the group][byte]`.
-    qs: Vec<u8>,
+    qs: super::WeightBytes<u8>,
     /// `[group][block][part]`.
     high: Vec<u64>,
     rows: usize,
@@ -112,7 +112,7 @@ impl Repacked for Q5_0Matrix {
         let slots = rows.div_ceil(GROUP_ROWS) * nb;
         let mut w = Self {
             d: vec![f16::ZERO; slots * GROUP_ROWS],
-            qs: vec![0; slots * BLOCK_QS],
+            qs: super::WeightBytes::zeroed(slots * BLOCK_QS),
             high: vec![0; slots * BLOCK_MASKS],
             rows,
             cols,
