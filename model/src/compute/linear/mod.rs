@@ -114,19 +114,11 @@ const PREFETCH_AHEAD: usize = 8;
 /// start at `first`. Near a group's end that block is the next group's first: every matrix keeps its groups one
 /// after another in memory, and a thread takes them in order (a lane all of them, a pool task a run of them), so
 /// the next group's blocks arrive before its first block is read rather than all at once as it starts (at 8
-/// activation rows, a group of 18 blocks without them: SmolLM2's block matmuls 10% slower from memory). Past the
-/// last group's end it asks for nothing useful: a hint reads nothing and cannot fault.
+/// activation rows, a group of 18 blocks without them: SmolLM2's block matmuls 10% slower from memory).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_ahead<T>(first: *const T, b: usize, block_bytes: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    let block = first
-        .cast::<i8>()
-        .wrapping_add((b + PREFETCH_AHEAD) * block_bytes);
-    for line in (0..block_bytes).step_by(64) {
-        // SAFETY: a prefetch hint has no architectural effect, whatever the address; SSE is part of x86-64.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(block.wrapping_add(line)) };
-    }
+    prefetch_block::<T, { std::arch::x86_64::_MM_HINT_T0 }>(first, b + PREFETCH_AHEAD, block_bytes);
 }
 
 /// Blocks ahead whose weights [`prefetch_far`] asks the second-level cache for.
@@ -141,13 +133,18 @@ const PREFETCH_FAR: usize = 16;
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_far<T>(first: *const T, b: usize, block_bytes: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-    let block = first
-        .cast::<i8>()
-        .wrapping_add((b + PREFETCH_FAR) * block_bytes);
+    prefetch_block::<T, { std::arch::x86_64::_MM_HINT_T1 }>(first, b + PREFETCH_FAR, block_bytes);
+}
+
+/// Asks the cache level `HINT` names for every line of block `block` (of `block_bytes` bytes, the first at
+/// `first`). Past a matrix's last block it asks for nothing useful: a hint reads nothing and cannot fault.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_block<T, const HINT: i32>(first: *const T, block: usize, block_bytes: usize) {
+    let block = first.cast::<i8>().wrapping_add(block * block_bytes);
     for line in (0..block_bytes).step_by(64) {
-        // SAFETY: as in `prefetch_ahead`.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(block.wrapping_add(line)) };
+        // SAFETY: a prefetch hint has no architectural effect, whatever the address; SSE is part of x86-64.
+        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(block.wrapping_add(line)) };
     }
 }
 
