@@ -5,10 +5,10 @@
 //! meets a TLB miss every few blocks, with the hardware prefetcher stopping at every page's end. SmolLM2's LM head
 //! (Q8_0, 49152 x 576, 28 MB) on one thread of a Zen 4, on the heap against here (alternated four times): one row
 //! 0.89-1.02 ms against 0.64-0.69, sixteen rows 2.89-3.17 against 2.88-2.99 (already at the tile's in-cache rate).
-//! A heap buffer gets them only by luck: the allocator hands out memory that earlier allocations (the file's own tensors, read and freed
-//! while repacking) already touched page by page, so they came in one run out of three or four; a mapping of its
-//! own is untouched until the repacking writes it. Buffers under one huge page (SmolLM2's block matrices) could
-//! hold none, so they stay on the heap, beside each other.
+//! A heap buffer gets them only by luck: the allocator hands out memory that earlier allocations (the file's own
+//! tensors, read and freed while repacking) already touched page by page, so they came in one run out of three or
+//! four; a mapping of its own is untouched until the repacking writes it. Buffers under one huge page (SmolLM2's
+//! block matrices) could hold none, so they stay on the heap, beside each other.
 use memmap2::MmapMut;
 use std::ops::{Deref, DerefMut};
 
