@@ -12,7 +12,9 @@
 use rayon::prelude::*;
 use std::cell::RefCell;
 use std::ops::Range;
-use vector::{axpy, dots, exp_shifted, max, sum, weighted_sum};
+use vector::{
+    axpy, dots, dots_rows, exp_shifted, max, sum, weighted_sum, weighted_sums, SHARED_ROWS,
+};
 
 mod cache;
 mod candle_op;
@@ -171,12 +173,28 @@ impl FlashAttention {
             scores.resize(rows * n, 0.0);
         }
         let kc = k.for_rows((b, h, keys.start, n, d), rows, buf);
+        // A decode step's rows (its group) all see the same keys: each key is then read once for all of them.
+        let shared = shared_span(spans);
+        if let Some(span) = &shared {
+            let mut qs: [&[f32]; SHARED_ROWS] = [&[]; SHARED_ROWS];
+            for (r, q) in qs.iter_mut().enumerate().take(rows) {
+                *q = query(r);
+            }
+            let mut outs: [&mut [f32]; SHARED_ROWS] = Default::default();
+            for (out, row) in outs.iter_mut().zip(scores[..rows * n].chunks_exact_mut(n)) {
+                *out = &mut row[span.clone()];
+            }
+            let keys = kc.range(span.start * d..span.end * d);
+            dots_rows(&qs[..rows], keys, &mut outs[..rows]);
+        }
         for (r, span) in spans.iter().enumerate() {
             if span.is_empty() {
                 continue;
             }
             let seen = &mut scores[r * n + span.start..r * n + span.end];
-            dots(query(r), kc.range(span.start * d..span.end * d), seen);
+            if shared.is_none() {
+                dots(query(r), kc.range(span.start * d..span.end * d), seen);
+            }
             for s in seen.iter_mut() {
                 *s *= self.scale;
                 if let Some(cap) = self.softcap {
@@ -189,10 +207,23 @@ impl FlashAttention {
             partial.sum[r] = sum(seen);
         }
         let vc = v.for_rows((b, h, keys.start, n, d), rows, buf);
-        for (r, span) in spans.iter().enumerate() {
-            let acc = &mut partial.acc[r * d..(r + 1) * d];
-            let weights = &scores[r * n + span.start..r * n + span.end];
-            weighted_sum(weights, vc.range(span.start * d..span.end * d), acc);
+        if let Some(span) = &shared {
+            let mut weights: [&[f32]; SHARED_ROWS] = [&[]; SHARED_ROWS];
+            for (w, row) in weights.iter_mut().zip(scores[..rows * n].chunks_exact(n)) {
+                *w = &row[span.clone()];
+            }
+            let mut accs: [&mut [f32]; SHARED_ROWS] = Default::default();
+            for (acc, row) in accs.iter_mut().zip(partial.acc.chunks_exact_mut(d)) {
+                *acc = row;
+            }
+            let values = vc.range(span.start * d..span.end * d);
+            weighted_sums(&weights[..rows], values, &mut accs[..rows]);
+        } else {
+            for (r, span) in spans.iter().enumerate() {
+                let acc = &mut partial.acc[r * d..(r + 1) * d];
+                let weights = &scores[r * n + span.start..r * n + span.end];
+                weighted_sum(weights, vc.range(span.start * d..span.end * d), acc);
+            }
         }
     }
 
@@ -324,6 +355,16 @@ impl FlashAttention {
             true
         })
     }
+}
+
+/// The keys every query row sees, when there are 2 to [`SHARED_ROWS`] rows, all seeing the same keys, and some: a
+/// decode step's group of query heads.
+fn shared_span(spans: &[Range<usize>]) -> Option<Range<usize>> {
+    let first = spans.first()?;
+    let shared = (2..=SHARED_ROWS).contains(&spans.len())
+        && !first.is_empty()
+        && spans.iter().all(|s| s == first);
+    shared.then(|| first.clone())
 }
 
 /// Whether a step of these dims over `len` keys spreads its tasks over the threads.

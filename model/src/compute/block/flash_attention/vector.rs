@@ -60,6 +60,61 @@ fn weighted_sum_scalar<E>(
     }
 }
 
+/// Most query rows [`dots_rows`] and [`weighted_sums`] take at once: a decode step's group of query heads sharing
+/// one KV head (3 for SmolLM2, 4 to 8 for most GQA models).
+pub(super) const SHARED_ROWS: usize = 4;
+
+/// [`dots`] for up to [`SHARED_ROWS`] query rows over the same keys: `outs[i][j] = qs[i] . k_j`, each key read (and
+/// widened) once for every row instead of once per row, with each row's sums bit for bit what [`dots`] gives it.
+pub(super) fn dots_rows(qs: &[&[f32]], keys: Elems<'_>, outs: &mut [&mut [f32]]) {
+    assert!(qs.len() == outs.len() && qs.len() <= SHARED_ROWS);
+    #[cfg(target_arch = "x86_64")]
+    if let Some(d) = shared_width(qs, outs) {
+        if d.is_multiple_of(8) && x86::available() {
+            // SAFETY: the CPU has AVX2, FMA and F16C; every row is `d` long and every output as long as the first.
+            return unsafe {
+                match keys {
+                    Elems::F32(k) => x86::dots_rows(qs, k, outs),
+                    Elems::F16(k) => x86::dots_rows_f16(qs, k, outs),
+                }
+            };
+        }
+    }
+    for (q, out) in qs.iter().zip(outs.iter_mut()) {
+        dots(q, keys, out);
+    }
+}
+
+/// [`weighted_sum`] for up to [`SHARED_ROWS`] rows over the same values: `accs[i] += sum_j weights[i][j] v_j`, each
+/// value row read (and widened) once for every row, each row's sums bit for bit what [`weighted_sum`] gives it.
+pub(super) fn weighted_sums(weights: &[&[f32]], values: Elems<'_>, accs: &mut [&mut [f32]]) {
+    assert!(weights.len() == accs.len() && weights.len() <= SHARED_ROWS);
+    #[cfg(target_arch = "x86_64")]
+    if let Some(d) = shared_width(accs, weights) {
+        if d.is_multiple_of(8) && x86::available() {
+            // SAFETY: as in `dots_rows`, with the accumulators `d` long and the weights equally many.
+            return unsafe {
+                match values {
+                    Elems::F32(v) => x86::weighted_sums(weights, v, accs),
+                    Elems::F16(v) => x86::weighted_sums_f16(weights, v, accs),
+                }
+            };
+        }
+    }
+    for (w, acc) in weights.iter().zip(accs.iter_mut()) {
+        weighted_sum(w, values, acc);
+    }
+}
+
+/// The common length of `a`'s rows when they have one and `b`'s rows share theirs too (at least one row each).
+#[cfg(target_arch = "x86_64")]
+fn shared_width<A: AsRef<[f32]>, B: AsRef<[f32]>>(a: &[A], b: &[B]) -> Option<usize> {
+    let (first_a, first_b) = (a.first()?.as_ref().len(), b.first()?.as_ref().len());
+    let same = a.iter().all(|x| x.as_ref().len() == first_a)
+        && b.iter().all(|x| x.as_ref().len() == first_b);
+    same.then_some(first_a)
+}
+
 /// The two inner loops with AVX2: eight keys' dot products at once, reduced together (one horizontal reduction
 /// per eight keys instead of per key), and values accumulated in registers 64 columns at a time. Each is written
 /// once by a macro for f32 rows and for f16 rows (widened by `vcvtph2ps` as they are loaded).
@@ -176,6 +231,180 @@ mod x86 {
 
     inner_loops!(dots, weighted_sum, f32);
     inner_loops!(dots_f16, weighted_sum_f16, f16);
+
+    /// The inner loops for several query rows at once ([`super::dots_rows`], [`super::weighted_sums`]): each key or
+    /// value vector loaded (and widened) once and multiplied into every row's accumulators, with each row's
+    /// operations exactly those of the one-row loops above, in their order: a key's products accumulate lane by
+    /// lane over its columns, and its eight lanes are added as `reduce8` adds them; keys past the last whole eight
+    /// go through the one-row loop's tail, as they would alone. Written once for f32 rows and once for f16 rows.
+    macro_rules! shared_loops {
+        ($dots_rows:ident, $weighted_sums:ident, $dots:ident, $weighted_sum:ident, $elem:ident) => {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub unsafe fn $dots_rows(qs: &[&[f32]], keys: &[$elem], outs: &mut [&mut [f32]]) {
+                // Keys a pass takes: their accumulators, the rows' query vectors and a key fill the registers.
+                match qs.len() {
+                    0 => {}
+                    1 => $dots(qs[0], keys, outs[0]),
+                    2 => dots_tile::<2, 4>(qs, keys, outs),
+                    3 => dots_tile::<3, 4>(qs, keys, outs),
+                    _ => dots_tile::<4, 2>(qs, keys, outs),
+                }
+
+                /// `R` rows, `K` keys a pass (2 or 4).
+                #[inline]
+                #[target_feature(enable = "avx2,fma,f16c")]
+                unsafe fn dots_tile<const R: usize, const K: usize>(
+                    qs: &[&[f32]],
+                    keys: &[$elem],
+                    outs: &mut [&mut [f32]],
+                ) {
+                    let (d, n) = (qs[0].len(), outs[0].len());
+                    assert!(d.is_multiple_of(8) && keys.len() >= n * d);
+                    assert!(qs.len() == R && outs.len() == R && qs.iter().all(|q| q.len() == d));
+                    assert!(outs.iter().all(|o| o.len() == n));
+                    let q: [*const f32; R] = std::array::from_fn(|r| qs[r].as_ptr());
+                    let k = keys.as_ptr();
+                    // The keys of whole eights, which the one-row loop reduces eight at a time.
+                    let whole = n / 8 * 8;
+                    let mut j = 0;
+                    while j < whole {
+                        let mut acc = [[_mm256_setzero_ps(); K]; R];
+                        for c in (0..d).step_by(8) {
+                            let qv: [__m256; R] =
+                                std::array::from_fn(|r| _mm256_loadu_ps(q[r].add(c)));
+                            for jj in 0..K {
+                                let kv = load8!($elem, k.add((j + jj) * d + c));
+                                for r in 0..R {
+                                    acc[r][jj] = _mm256_fmadd_ps(qv[r], kv, acc[r][jj]);
+                                }
+                            }
+                        }
+                        for r in 0..R {
+                            let sums = reduce_keys::<K>(&acc[r]);
+                            let out = outs[r].as_mut_ptr().add(j);
+                            if K == 4 {
+                                _mm_storeu_ps(out, sums);
+                            } else {
+                                _mm_storel_epi64(out as *mut __m128i, _mm_castps_si128(sums));
+                            }
+                        }
+                        j += K;
+                    }
+                    if whole < n {
+                        for r in 0..R {
+                            $dots(qs[r], &keys[whole * d..], &mut outs[r][whole..]);
+                        }
+                    }
+                }
+            }
+
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub unsafe fn $weighted_sums(
+                weights: &[&[f32]],
+                values: &[$elem],
+                accs: &mut [&mut [f32]],
+            ) {
+                // Vectors of columns a pass takes: the rows' accumulators, their weights and a value vector fill the
+                // registers.
+                match weights.len() {
+                    0 => {}
+                    1 => $weighted_sum(weights[0], values, accs[0]),
+                    2 => by_columns::<2, 4>(weights, values, accs),
+                    3 => by_columns::<3, 4>(weights, values, accs),
+                    _ => by_columns::<4, 2>(weights, values, accs),
+                }
+
+                /// `R` rows, in blocks of `W` vectors of columns, then single vectors.
+                #[inline]
+                #[target_feature(enable = "avx2,fma,f16c")]
+                unsafe fn by_columns<const R: usize, const W: usize>(
+                    weights: &[&[f32]],
+                    values: &[$elem],
+                    accs: &mut [&mut [f32]],
+                ) {
+                    let (d, n) = (accs[0].len(), weights[0].len());
+                    assert!(d.is_multiple_of(8) && values.len() >= n * d);
+                    assert!(
+                        weights.len() == R
+                            && accs.len() == R
+                            && weights.iter().all(|w| w.len() == n)
+                    );
+                    assert!(accs.iter().all(|a| a.len() == d));
+                    let w: [*const f32; R] = std::array::from_fn(|r| weights[r].as_ptr());
+                    let mut acc: [*mut f32; R] = [std::ptr::null_mut(); R];
+                    for (a, row) in acc.iter_mut().zip(accs.iter_mut()) {
+                        *a = row.as_mut_ptr();
+                    }
+                    let v = values.as_ptr();
+                    let mut c = 0;
+                    while c + 8 * W <= d {
+                        columns::<R, W>(w, n, v.add(c), acc.map(|a| a.add(c)), d);
+                        c += 8 * W;
+                    }
+                    while c < d {
+                        columns::<R, 1>(w, n, v.add(c), acc.map(|a| a.add(c)), d);
+                        c += 8;
+                    }
+                }
+
+                /// `acc_r[..8W] += sum_j w_r[j] v[j * d..j * d + 8W]` for each row `r`.
+                #[inline]
+                #[target_feature(enable = "avx2,fma,f16c")]
+                unsafe fn columns<const R: usize, const W: usize>(
+                    w: [*const f32; R],
+                    n: usize,
+                    v: *const $elem,
+                    acc: [*mut f32; R],
+                    d: usize,
+                ) {
+                    let mut regs = [[_mm256_setzero_ps(); W]; R];
+                    for r in 0..R {
+                        for i in 0..W {
+                            regs[r][i] = _mm256_loadu_ps(acc[r].add(8 * i));
+                        }
+                    }
+                    for j in 0..n {
+                        let ws: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(*w[r].add(j)));
+                        for i in 0..W {
+                            let x = load8!($elem, v.add(j * d + 8 * i));
+                            for r in 0..R {
+                                regs[r][i] = _mm256_fmadd_ps(ws[r], x, regs[r][i]);
+                            }
+                        }
+                    }
+                    for r in 0..R {
+                        for i in 0..W {
+                            _mm256_storeu_ps(acc[r].add(8 * i), regs[r][i]);
+                        }
+                    }
+                }
+            }
+        };
+    }
+
+    shared_loops!(dots_rows, weighted_sums, dots, weighted_sum, f32);
+    shared_loops!(
+        dots_rows_f16,
+        weighted_sums_f16,
+        dots_f16,
+        weighted_sum_f16,
+        f16
+    );
+
+    /// `K` (2 or 4) keys' lane vectors to their totals, in the first `K` lanes: each key's lanes added in the tree
+    /// [`reduce8`] adds them in (pairs, then pairs of pairs, then the two halves), so a key's total is the same
+    /// whichever of the two reduced it.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn reduce_keys<const K: usize>(v: &[__m256; K]) -> __m128 {
+        let s = if K == 4 {
+            _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]))
+        } else {
+            let pairs = _mm256_hadd_ps(v[0], v[1]);
+            _mm256_hadd_ps(pairs, pairs)
+        };
+        _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1))
+    }
 
     /// Eight vectors to the vector of their eight totals.
     #[inline]
@@ -305,6 +534,59 @@ mod tests {
         dots_scalar(&q, &widened, |x| *x, &mut a);
         dots_scalar(&q, &halves, |x| x.to_f32(), &mut b);
         assert_eq!(a, b);
+    }
+
+    #[test]
+    fn rows_sharing_keys_get_each_rows_own_results_bit_for_bit() {
+        // Every row count the shared loops take, key counts around whole eights (2 and 4 keys a pass, tails of one
+        // to seven), head sizes of one vector to several blocks of columns, f32 and f16 alike.
+        for d in [8, 24, 64, 128] {
+            for n in [1, 3, 7, 8, 9, 13, 16, 19, 40] {
+                let keys: Vec<f32> = (0..n * d).map(|i| (i as f32 * 0.113).cos() * 2.5).collect();
+                let halves: Vec<f16> = keys.iter().map(|&x| f16::from_f32(x)).collect();
+                for rows in 1..=SHARED_ROWS {
+                    let qs: Vec<Vec<f32>> = (0..rows)
+                        .map(|r| {
+                            (0..d)
+                                .map(|i| ((i * 7 + r * 13) as f32 * 0.29).sin())
+                                .collect()
+                        })
+                        .collect();
+                    let weights: Vec<Vec<f32>> = (0..rows)
+                        .map(|r| (0..n).map(|j| 1.0 / ((j + r) as f32 + 1.5)).collect())
+                        .collect();
+                    let start: Vec<f32> = (0..d).map(|c| c as f32 * 0.03 - 1.0).collect();
+                    for elems in [Elems::F32(&keys), Elems::F16(&halves)] {
+                        let kind = matches!(elems, Elems::F16(_));
+                        let what = format!("d {d}, {n} keys, {rows} rows, f16 {kind}");
+                        let q: Vec<&[f32]> = qs.iter().map(|q| q.as_slice()).collect();
+                        let mut got = vec![vec![f32::NAN; n]; rows];
+                        let mut outs: Vec<&mut [f32]> =
+                            got.iter_mut().map(|o| o.as_mut_slice()).collect();
+                        dots_rows(&q, elems, &mut outs);
+                        for (r, got) in got.iter().enumerate() {
+                            let mut want = vec![0f32; n];
+                            dots(&qs[r], elems, &mut want);
+                            let bits =
+                                |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                            assert_eq!(bits(got), bits(&want), "dots, row {r}: {what}");
+                        }
+                        let w: Vec<&[f32]> = weights.iter().map(|w| w.as_slice()).collect();
+                        let mut got = vec![start.clone(); rows];
+                        let mut accs: Vec<&mut [f32]> =
+                            got.iter_mut().map(|a| a.as_mut_slice()).collect();
+                        weighted_sums(&w, elems, &mut accs);
+                        for (r, got) in got.iter().enumerate() {
+                            let mut want = start.clone();
+                            weighted_sum(&weights[r], elems, &mut want);
+                            let bits =
+                                |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                            assert_eq!(bits(got), bits(&want), "weighted sums, row {r}: {what}");
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
