@@ -1,5 +1,5 @@
 //! Random-weight models of every supported family, written as Hugging Face directories (`config.json` +
-//! `model.safetensors`).
+//! `model.safetensors`), and Llama-architecture ones at real scale as quantized GGUF files ([`write_gguf`]).
 //!
 //! Benchmarks need shapes no model on disk has (a 1B model on a machine with only a 135M one), and tests need
 //! models they can build in milliseconds. Weights are uniform on a grid of `k / 4096` for `k` in `-127..=127`
@@ -9,12 +9,15 @@
 //! applied wrongly changes the outputs.
 //!
 //! The file is streamed tensor by tensor through a byte lookup table, so a 1B model is written in seconds and never
-//! held in memory. Only `std` and `serde_json` are used.
+//! held in memory. Only `std` and `serde_json` are used here (the GGUF writer also reads its tokenizer with candle).
 use std::fs::File;
 use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+mod gguf;
 mod values;
+
+pub use gguf::{write_gguf, GgufFormat, GgufTokenizer, WrittenGguf};
 
 #[cfg(test)]
 use values::{encode, f16_bits};
@@ -208,6 +211,48 @@ pub const SHAPES: &[SyntheticShape] = &[
         vocab_size: 32000,
         tie_embeddings: true,
         max_position: 2048,
+        family: SyntheticFamily::Llama,
+        sliding_window: None,
+    },
+    // Real-scale shapes, for GGUF files in the formats users download ([`write_gguf`], which takes the
+    // vocabulary of the tokenizer it copies): Llama-3-8B, a 14B (Qwen2.5-14B's widths as a Llama) and
+    // Llama-3-70B.
+    SyntheticShape {
+        name: "8b",
+        hidden_size: 4096,
+        num_blocks: 32,
+        num_heads: 32,
+        num_kv_heads: 8,
+        intermediate_size: 14336,
+        vocab_size: 128256,
+        tie_embeddings: false,
+        max_position: 8192,
+        family: SyntheticFamily::Llama,
+        sliding_window: None,
+    },
+    SyntheticShape {
+        name: "14b",
+        hidden_size: 5120,
+        num_blocks: 48,
+        num_heads: 40,
+        num_kv_heads: 8,
+        intermediate_size: 13824,
+        vocab_size: 152064,
+        tie_embeddings: false,
+        max_position: 8192,
+        family: SyntheticFamily::Llama,
+        sliding_window: None,
+    },
+    SyntheticShape {
+        name: "70b",
+        hidden_size: 8192,
+        num_blocks: 80,
+        num_heads: 64,
+        num_kv_heads: 8,
+        intermediate_size: 28672,
+        vocab_size: 128256,
+        tie_embeddings: false,
+        max_position: 8192,
         family: SyntheticFamily::Llama,
         sliding_window: None,
     },

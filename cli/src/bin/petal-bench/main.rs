@@ -13,6 +13,7 @@
 //! `petal-bench compare` measures Petal's side of the side-by-side benchmark with llama.cpp instead
 //! (`scripts/bench-compare`; see [`compare`]).
 mod compare;
+mod gguf;
 mod model;
 mod overhead;
 mod probe;
@@ -108,10 +109,19 @@ enum Command {
     /// Petal's half of the side-by-side benchmark with llama.cpp (prefill, decode, decode at depth, concurrent
     /// sessions, a chain against local, a node's resident size); scripts/bench-compare runs it with llama-bench.
     Compare(compare::CompareArgs),
+    /// Write a random-weight model of a real shape (8b, 14b, 70b) as a GGUF file (q4_0, q8_0, q4_k_m,
+    /// q5_k_m) and print what was written.
+    Gguf(gguf::GgufArgs),
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if let Some(Command::Gguf(gguf)) = &args.command {
+        return app::run(&args.common, "warn", async {
+            println!("{}", serde_json::to_string_pretty(&gguf::run(gguf)?)?);
+            Ok(())
+        });
+    }
     if let Some(Command::Compare(compare)) = &args.command {
         // Progress of the comparison is logged at info; nodes and libp2p stay at warn.
         return app::run(

@@ -1,0 +1,630 @@
+//! Random-weight Llama-architecture models written as GGUF files in the quantizations users download (Q4_0,
+//! Q8_0, Q4_K_M, Q5_K_M), at real scale: an 8B- or 70B-shaped file takes the bytes of the real one.
+//!
+//! Quantized blocks are random bytes in each format's block layout with the scales set so that every weight has a
+//! standard deviation near 0.02 (the usual init), which keeps activations finite through 80 blocks. The
+//! tokenizer's metadata (and so the vocabulary, which sets the embedding's rows) is copied from a GGUF the caller
+//! names, so the file runs with text in Petal and in llama.cpp alike. Written streaming, tensor by tensor, at the
+//! speed of the disk; a file already written with the same shape, format, tokenizer and seed is kept.
+use super::values::{fnv1a, SplitMix64, ValueTable};
+use super::{SyntheticFamily, SyntheticShape, WeightDType};
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::GgmlDType;
+use std::fs::File;
+use std::io::{self, BufWriter, Seek, Write};
+use std::path::{Path, PathBuf};
+
+/// A llama.cpp file type (`llama-quantize`'s names), as its tensors are quantized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GgufFormat {
+    Q4_0,
+    Q8_0,
+    /// Q4_K, with Q6_K for the LM head and for `attn_v` and `ffn_down` in the blocks llama.cpp gives more bits.
+    Q4KM,
+    /// Q5_K, with Q6_K where Q4_K_M has it.
+    Q5KM,
+}
+
+impl GgufFormat {
+    pub const ALL: [Self; 4] = [Self::Q4_0, Self::Q8_0, Self::Q4KM, Self::Q5KM];
+
+    /// Parses `q4_0`, `q8_0`, `q4_k_m` or `q5_k_m` (any case).
+    pub fn parse(s: &str) -> Option<Self> {
+        let s = s.trim().to_ascii_lowercase();
+        Self::ALL.into_iter().find(|f| f.name() == s)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Q4_0 => "q4_0",
+            Self::Q8_0 => "q8_0",
+            Self::Q4KM => "q4_k_m",
+            Self::Q5KM => "q5_k_m",
+        }
+    }
+
+    /// `general.file_type`: llama.cpp's `LLAMA_FTYPE_MOSTLY_*`.
+    fn file_type(self) -> u32 {
+        match self {
+            Self::Q4_0 => 2,
+            Self::Q8_0 => 7,
+            Self::Q4KM => 15,
+            Self::Q5KM => 17,
+        }
+    }
+
+    fn base(self) -> GgmlDType {
+        match self {
+            Self::Q4_0 => GgmlDType::Q4_0,
+            Self::Q8_0 => GgmlDType::Q8_0,
+            Self::Q4KM => GgmlDType::Q4K,
+            Self::Q5KM => GgmlDType::Q5K,
+        }
+    }
+
+    /// The type llama-quantize gives the matrix `role` of block `block` of `blocks` (`None`: the LM head).
+    fn matrix_type(self, role: Role, block: Option<(usize, usize)>) -> GgmlDType {
+        let k_quant = matches!(self, Self::Q4KM | Self::Q5KM);
+        match (role, block) {
+            (Role::Output, _) if self == Self::Q8_0 => GgmlDType::Q8_0,
+            (Role::Output, _) => GgmlDType::Q6K,
+            (Role::MoreBits, Some((i, n))) if k_quant && use_more_bits(i, n) => GgmlDType::Q6K,
+            _ => self.base(),
+        }
+    }
+}
+
+/// What a matrix is, as far as the choice of its type goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// `output.weight`.
+    Output,
+    /// `attn_v` and `ffn_down`, which the `_M` mixes quantize finer in some blocks.
+    MoreBits,
+    Plain,
+}
+
+/// llama.cpp's rule for the blocks whose `attn_v` and `ffn_down` get Q6_K in a `_M` mix: the first and last
+/// eighth, and every third one between.
+fn use_more_bits(i: usize, n: usize) -> bool {
+    i < n / 8 || i >= 7 * n / 8 || (i >= n / 8 && (i - n / 8) % 3 == 2)
+}
+
+/// The tokenizer a synthetic GGUF carries: the `tokenizer.*` metadata of another GGUF.
+pub struct GgufTokenizer {
+    metadata: Vec<(String, Value)>,
+    vocab_size: usize,
+    source: PathBuf,
+}
+
+impl GgufTokenizer {
+    /// Reads the tokenizer of the GGUF at `path` (SmolLM2's, say): every `tokenizer.*` key.
+    pub fn from_gguf(path: &Path) -> io::Result<Self> {
+        let mut file = File::open(path)?;
+        let content = gguf_file::Content::read(&mut file).map_err(io::Error::other)?;
+        let mut metadata: Vec<(String, Value)> = content
+            .metadata
+            .into_iter()
+            .filter(|(k, _)| k.starts_with("tokenizer."))
+            .collect();
+        metadata.sort_by(|a, b| a.0.cmp(&b.0));
+        let vocab_size = metadata
+            .iter()
+            .find(|(k, _)| k == "tokenizer.ggml.tokens")
+            .and_then(|(_, v)| v.to_vec().ok().map(|t| t.len()))
+            .filter(|&n| n > 0)
+            .ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("{}: no tokenizer.ggml.tokens", path.display()),
+                )
+            })?;
+        Ok(Self {
+            metadata,
+            vocab_size,
+            source: path.to_path_buf(),
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+}
+
+/// A GGUF file [`write_gguf`] wrote or found already written.
+#[derive(Debug, Clone)]
+pub struct WrittenGguf {
+    pub path: PathBuf,
+    pub bytes: u64,
+    /// False when an identical file was already there.
+    pub written: bool,
+}
+
+/// Writes `shape` (a Llama-family shape; its vocabulary is the tokenizer's) as a GGUF of `format` at `path`. An
+/// existing file written with the same shape, format, tokenizer and seed is kept.
+pub fn write_gguf(
+    path: &Path,
+    shape: &SyntheticShape,
+    format: GgufFormat,
+    tokenizer: &GgufTokenizer,
+    seed: u64,
+) -> io::Result<WrittenGguf> {
+    if shape.family != SyntheticFamily::Llama {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "synthetic GGUF files are Llama-architecture; {} is not",
+                shape.family.name()
+            ),
+        ));
+    }
+    let shape = SyntheticShape {
+        vocab_size: tokenizer.vocab_size,
+        ..*shape
+    };
+    let tensors = gguf_tensors(&shape, format);
+    for t in &tensors {
+        if t.dims[0] % t.dtype.block_size() != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{}: rows of {} do not split into {:?} blocks of {}",
+                    t.name,
+                    t.dims[0],
+                    t.dtype,
+                    t.dtype.block_size()
+                ),
+            ));
+        }
+    }
+    let marker_path = path.with_extension("gguf.json");
+    let marker = serde_json::json!({
+        "shape": shape.name, "format": format.name(), "seed": seed,
+        "tokenizer": tokenizer.source.display().to_string(), "vocab": shape.vocab_size,
+        "hidden": shape.hidden_size, "blocks": shape.num_blocks, "ffn": shape.intermediate_size,
+        "heads": shape.num_heads, "kv_heads": shape.num_kv_heads,
+    });
+    if let (Ok(text), Ok(meta)) = (
+        std::fs::read_to_string(&marker_path),
+        std::fs::metadata(path),
+    ) {
+        if serde_json::from_str::<serde_json::Value>(&text).ok().as_ref() == Some(&marker) {
+            return Ok(WrittenGguf {
+                path: path.to_path_buf(),
+                bytes: meta.len(),
+                written: false,
+            });
+        }
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let _ = std::fs::remove_file(&marker_path);
+    // Written aside and renamed: a run cut short never leaves a file that looks whole.
+    let partial = path.with_extension("gguf.partial");
+    let bytes = {
+        let mut out = BufWriter::with_capacity(1 << 22, File::create(&partial)?);
+        write_header(&mut out, &shape, format, tokenizer, &tensors)?;
+        for t in &tensors {
+            let mut rng = SplitMix64::new(seed ^ fnv1a(t.name.as_bytes()));
+            write_tensor(&mut out, t, &mut rng)?;
+            pad(&mut out)?;
+        }
+        out.flush()?;
+        out.stream_position()?
+    };
+    std::fs::rename(&partial, path)?;
+    std::fs::write(&marker_path, marker.to_string())?;
+    Ok(WrittenGguf {
+        path: path.to_path_buf(),
+        bytes,
+        written: true,
+    })
+}
+
+/// One tensor of the file: GGUF's dimensions (the row length first).
+struct GgufTensor {
+    name: String,
+    dims: Vec<usize>,
+    dtype: GgmlDType,
+}
+
+impl GgufTensor {
+    fn bytes(&self) -> usize {
+        let elems: usize = self.dims.iter().product();
+        elems / self.dtype.block_size() * self.dtype.type_size()
+    }
+}
+
+/// Every tensor in file order: the embedding, each block's in llama.cpp's order, the final norm and the head.
+fn gguf_tensors(shape: &SyntheticShape, format: GgufFormat) -> Vec<GgufTensor> {
+    let (h, ff, hd) = (shape.hidden_size, shape.intermediate_size, shape.head_dim());
+    let (q, kv) = (shape.num_heads * hd, shape.num_kv_heads * hd);
+    let n = shape.num_blocks;
+    let matrix = |name: String, rows: usize, cols: usize, role: Role, block: Option<usize>| {
+        GgufTensor {
+            name,
+            dims: vec![cols, rows],
+            dtype: format.matrix_type(role, block.map(|i| (i, n))),
+        }
+    };
+    let norm = |name: String, len: usize| GgufTensor {
+        name,
+        dims: vec![len],
+        dtype: GgmlDType::F32,
+    };
+    let mut t = vec![matrix(
+        "token_embd.weight".into(),
+        shape.vocab_size,
+        h,
+        Role::Plain,
+        None,
+    )];
+    for i in 0..n {
+        let p = format!("blk.{i}");
+        let b = Some(i);
+        t.extend([
+            norm(format!("{p}.attn_norm.weight"), h),
+            matrix(format!("{p}.attn_q.weight"), q, h, Role::Plain, b),
+            matrix(format!("{p}.attn_k.weight"), kv, h, Role::Plain, b),
+            matrix(format!("{p}.attn_v.weight"), kv, h, Role::MoreBits, b),
+            matrix(format!("{p}.attn_output.weight"), h, q, Role::Plain, b),
+            norm(format!("{p}.ffn_norm.weight"), h),
+            matrix(format!("{p}.ffn_gate.weight"), ff, h, Role::Plain, b),
+            matrix(format!("{p}.ffn_up.weight"), ff, h, Role::Plain, b),
+            matrix(format!("{p}.ffn_down.weight"), h, ff, Role::MoreBits, b),
+        ]);
+    }
+    t.push(norm("output_norm.weight".into(), h));
+    if !shape.tie_embeddings {
+        t.push(matrix(
+            "output.weight".into(),
+            shape.vocab_size,
+            h,
+            Role::Output,
+            None,
+        ));
+    }
+    t
+}
+
+const ALIGNMENT: u64 = 32;
+
+fn pad<W: Write + Seek>(out: &mut W) -> io::Result<()> {
+    let pos = out.stream_position()?;
+    let padding = (ALIGNMENT - pos % ALIGNMENT) % ALIGNMENT;
+    out.write_all(&[0u8; ALIGNMENT as usize][..padding as usize])
+}
+
+/// GGUF v3: magic, counts, the metadata, the tensor descriptions with their data offsets, padding.
+fn write_header<W: Write + Seek>(
+    out: &mut W,
+    shape: &SyntheticShape,
+    format: GgufFormat,
+    tokenizer: &GgufTokenizer,
+    tensors: &[GgufTensor],
+) -> io::Result<()> {
+    let u32v = |v: usize| Value::U32(v as u32);
+    let mut metadata: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String("llama".into())),
+        (
+            "general.name".into(),
+            Value::String(format!("petal-synthetic-{}", shape.name)),
+        ),
+        ("general.file_type".into(), Value::U32(format.file_type())),
+        ("general.quantization_version".into(), Value::U32(2)),
+        ("llama.context_length".into(), u32v(shape.max_position)),
+        ("llama.embedding_length".into(), u32v(shape.hidden_size)),
+        ("llama.block_count".into(), u32v(shape.num_blocks)),
+        (
+            "llama.feed_forward_length".into(),
+            u32v(shape.intermediate_size),
+        ),
+        ("llama.rope.dimension_count".into(), u32v(shape.head_dim())),
+        ("llama.attention.head_count".into(), u32v(shape.num_heads)),
+        (
+            "llama.attention.head_count_kv".into(),
+            u32v(shape.num_kv_heads),
+        ),
+        (
+            "llama.attention.layer_norm_rms_epsilon".into(),
+            Value::F32(1e-5),
+        ),
+        ("llama.rope.freq_base".into(), Value::F32(500_000.0)),
+        ("llama.vocab_size".into(), u32v(shape.vocab_size)),
+    ];
+    metadata.extend(tokenizer.metadata.iter().cloned());
+    out.write_all(b"GGUF")?;
+    out.write_all(&3u32.to_le_bytes())?;
+    out.write_all(&(tensors.len() as u64).to_le_bytes())?;
+    out.write_all(&(metadata.len() as u64).to_le_bytes())?;
+    for (key, value) in &metadata {
+        write_string(out, key)?;
+        out.write_all(&value_type(value)?.to_le_bytes())?;
+        write_value(out, value)?;
+    }
+    let mut offset = 0u64;
+    for t in tensors {
+        write_string(out, &t.name)?;
+        out.write_all(&(t.dims.len() as u32).to_le_bytes())?;
+        for &d in &t.dims {
+            out.write_all(&(d as u64).to_le_bytes())?;
+        }
+        out.write_all(&ggml_type_id(t.dtype).to_le_bytes())?;
+        out.write_all(&offset.to_le_bytes())?;
+        offset += (t.bytes() as u64).div_ceil(ALIGNMENT) * ALIGNMENT;
+    }
+    pad(out)
+}
+
+/// ggml's `ggml_type` number of the types this module writes.
+fn ggml_type_id(dtype: GgmlDType) -> u32 {
+    match dtype {
+        GgmlDType::F32 => 0,
+        GgmlDType::Q4_0 => 2,
+        GgmlDType::Q8_0 => 8,
+        GgmlDType::Q4K => 12,
+        GgmlDType::Q5K => 13,
+        GgmlDType::Q6K => 14,
+        other => unreachable!("synthetic GGUF files hold no {other:?}"),
+    }
+}
+
+fn write_string(out: &mut impl Write, s: &str) -> io::Result<()> {
+    out.write_all(&(s.len() as u64).to_le_bytes())?;
+    out.write_all(s.as_bytes())
+}
+
+/// GGUF's code for the type of `v` (an array's elements must share one).
+fn value_type(v: &Value) -> io::Result<u32> {
+    Ok(match v {
+        Value::U8(_) => 0,
+        Value::I8(_) => 1,
+        Value::U16(_) => 2,
+        Value::I16(_) => 3,
+        Value::U32(_) => 4,
+        Value::I32(_) => 5,
+        Value::F32(_) => 6,
+        Value::Bool(_) => 7,
+        Value::String(_) => 8,
+        Value::Array(_) => 9,
+        Value::U64(_) => 10,
+        Value::I64(_) => 11,
+        Value::F64(_) => 12,
+    })
+}
+
+fn write_value(out: &mut impl Write, v: &Value) -> io::Result<()> {
+    match v {
+        Value::U8(x) => out.write_all(&[*x]),
+        Value::I8(x) => out.write_all(&x.to_le_bytes()),
+        Value::U16(x) => out.write_all(&x.to_le_bytes()),
+        Value::I16(x) => out.write_all(&x.to_le_bytes()),
+        Value::U32(x) => out.write_all(&x.to_le_bytes()),
+        Value::I32(x) => out.write_all(&x.to_le_bytes()),
+        Value::U64(x) => out.write_all(&x.to_le_bytes()),
+        Value::I64(x) => out.write_all(&x.to_le_bytes()),
+        Value::F32(x) => out.write_all(&x.to_le_bytes()),
+        Value::F64(x) => out.write_all(&x.to_le_bytes()),
+        Value::Bool(x) => out.write_all(&[u8::from(*x)]),
+        Value::String(s) => write_string(out, s),
+        Value::Array(items) => {
+            let kind = match items.first() {
+                Some(first) => value_type(first)?,
+                None => 4,
+            };
+            out.write_all(&kind.to_le_bytes())?;
+            out.write_all(&(items.len() as u64).to_le_bytes())?;
+            for item in items {
+                if value_type(item)? != kind {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "a GGUF array mixes value types",
+                    ));
+                }
+                write_value(out, item)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// The little-endian f16 bits of `v`.
+fn f16_le(v: f32) -> [u8; 2] {
+    half::f16::from_f32(v).to_bits().to_le_bytes()
+}
+
+/// Writes a tensor's data: norms from the synthetic norm grid, matrices as random blocks of their type.
+fn write_tensor(out: &mut impl Write, t: &GgufTensor, rng: &mut SplitMix64) -> io::Result<()> {
+    if t.dtype == GgmlDType::F32 {
+        // The safetensors models' norm grid (`Values::Norm`).
+        let table = ValueTable::new(WeightDType::F32, |k| 1.0 + (k / 4) as f32 / 128.0);
+        return table.write_random(out, t.dims.iter().product(), rng);
+    }
+    let block = t.dtype.type_size();
+    let blocks = t.bytes() / block;
+    // A few MiB at a time: random words, then each block's scales set in place.
+    let per_chunk = ((4 << 20) / block).max(1);
+    let mut buf = vec![0u8; per_chunk * block];
+    let mut left = blocks;
+    while left > 0 {
+        let n = left.min(per_chunk);
+        let bytes = &mut buf[..n * block];
+        for word in bytes.chunks_mut(8) {
+            let r = rng.next().to_le_bytes();
+            word.copy_from_slice(&r[..word.len()]);
+        }
+        for b in bytes.chunks_exact_mut(block) {
+            set_scales(t.dtype, b);
+        }
+        out.write_all(bytes)?;
+        left -= n;
+    }
+    Ok(())
+}
+
+/// Overwrites the scale fields of one random block of `dtype` so that its weights have a standard deviation near
+/// 0.02 ([`TARGET_STD`]) and no bias: the scale `d` takes a random factor in 1..2 from the block's own last byte
+/// (so blocks differ), and a K-quant's sub-block minimums equal its scales, with `dmin` the unsigned values' mean
+/// times `d`, so that each sub-block is centred.
+fn set_scales(dtype: GgmlDType, b: &mut [u8]) {
+    let jitter = (1.0 + f32::from(b[b.len() - 1]) / 256.0) / 1.5;
+    let d_for = |value_std: f32| TARGET_STD / value_std * jitter;
+    match dtype {
+        // d * (q - 8), q in 0..16: std 4.6.
+        GgmlDType::Q4_0 => b[..2].copy_from_slice(&f16_le(d_for(4.6))),
+        // d * q, q an i8: std 74.
+        GgmlDType::Q8_0 => b[..2].copy_from_slice(&f16_le(d_for(74.0))),
+        // d * s * q - dmin * s, q in 0..16 (std 4.6, mean 7.5), s six bits (rms 36.5).
+        GgmlDType::Q4K => {
+            let d = d_for(4.6 * 36.5);
+            b[..2].copy_from_slice(&f16_le(d));
+            b[2..4].copy_from_slice(&f16_le(d * 7.5));
+            equal_scales_and_mins(&mut b[4..16]);
+        }
+        // As Q4_K with q in 0..32 (std 9.2, mean 15.5).
+        GgmlDType::Q5K => {
+            let d = d_for(9.2 * 36.5);
+            b[..2].copy_from_slice(&f16_le(d));
+            b[2..4].copy_from_slice(&f16_le(d * 15.5));
+            equal_scales_and_mins(&mut b[4..16]);
+        }
+        // ql[128] qh[64] scales[16] d: d * sc * (q - 32), q in 0..64 (std 18.5), sc an i8 kept in -16..16 (rms 9.2).
+        GgmlDType::Q6K => {
+            for s in &mut b[192..208] {
+                *s = ((*s & 0x1f) as i8 - 16) as u8;
+            }
+            b[208..210].copy_from_slice(&f16_le(d_for(18.5 * 9.2)));
+        }
+        _ => {}
+    }
+}
+
+/// What a synthetic weight's standard deviation is close to: the usual initialisation's.
+const TARGET_STD: f32 = 0.02;
+
+/// Repacks the twelve scale bytes of a Q4_K/Q5_K super-block so that each of its eight sub-blocks has its
+/// minimum equal to its scale (six random bits each, from the bytes already there), in ggml's packing: sub-blocks
+/// 0..4 in the low six bits of bytes 0..4 (scales) and 4..8 (minimums); 4..8 in the nibbles of bytes 8..12 with
+/// their top two bits in the top bits of bytes 0..4 (scales) and 4..8 (minimums).
+fn equal_scales_and_mins(bytes: &mut [u8]) {
+    let s: [u8; 8] = std::array::from_fn(|j| bytes[j] & 63);
+    for i in 0..4 {
+        let high = (s[i + 4] >> 4) << 6;
+        bytes[i] = s[i] | high;
+        bytes[i + 4] = s[i] | high;
+        bytes[i + 8] = (s[i + 4] & 0xf) | ((s[i + 4] & 0xf) << 4);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::gguf_file::Content;
+    use candle_core::Device;
+
+    fn smollm_tokenizer() -> GgufTokenizer {
+        let path = crate::models_dir::find_model(
+            "smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf",
+        )
+        .expect("the shared SmolLM2 model");
+        GgufTokenizer::from_gguf(&path).expect("its tokenizer")
+    }
+
+    /// A 2-block Llama shape whose widths split into K-quant super-blocks.
+    fn small() -> SyntheticShape {
+        SyntheticShape {
+            name: "gguf-test",
+            hidden_size: 256,
+            num_blocks: 8,
+            num_heads: 4,
+            num_kv_heads: 2,
+            intermediate_size: 512,
+            vocab_size: 0,
+            tie_embeddings: false,
+            max_position: 1024,
+            family: SyntheticFamily::Llama,
+            sliding_window: None,
+        }
+    }
+
+    #[test]
+    fn mixes_follow_llama_quantize() {
+        let n = 32;
+        let more: Vec<usize> = (0..n).filter(|&i| use_more_bits(i, n)).collect();
+        assert_eq!(
+            more,
+            [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+        );
+        assert_eq!(
+            GgufFormat::Q4KM.matrix_type(Role::MoreBits, Some((5, n))),
+            GgmlDType::Q4K
+        );
+        assert_eq!(
+            GgufFormat::Q5KM.matrix_type(Role::MoreBits, Some((6, n))),
+            GgmlDType::Q6K
+        );
+        assert_eq!(
+            GgufFormat::Q4_0.matrix_type(Role::Output, None),
+            GgmlDType::Q6K
+        );
+        assert_eq!(
+            GgufFormat::Q8_0.matrix_type(Role::Output, None),
+            GgmlDType::Q8_0
+        );
+    }
+
+    #[test]
+    fn every_format_reads_back_with_weights_near_the_init_scale() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let tokenizer = smollm_tokenizer();
+        for format in GgufFormat::ALL {
+            let path = dir.path().join(format!("{}.gguf", format.name()));
+            let written = write_gguf(&path, &small(), format, &tokenizer, 7).expect("written");
+            assert!(written.written);
+            let again = write_gguf(&path, &small(), format, &tokenizer, 7).expect("kept");
+            assert!(!again.written, "an identical file is kept");
+            assert_eq!(again.bytes, written.bytes);
+
+            let mut file = File::open(&path).expect("open");
+            let content = Content::read(&mut file).expect("a well-formed GGUF");
+            assert_eq!(
+                content.metadata["llama.block_count"].to_u32().ok(),
+                Some(8)
+            );
+            let expected = gguf_tensors(
+                &SyntheticShape {
+                    vocab_size: tokenizer.vocab_size(),
+                    ..small()
+                },
+                format,
+            );
+            assert_eq!(content.tensor_infos.len(), expected.len());
+            for t in &expected {
+                let q = content
+                    .tensor(&mut file, &t.name, &Device::Cpu)
+                    .expect("tensor reads");
+                assert_eq!(q.dtype(), t.dtype, "{}", t.name);
+                let v: Vec<f32> = q
+                    .dequantize(&Device::Cpu)
+                    .and_then(|x| x.flatten_all())
+                    .and_then(|x| x.to_vec1())
+                    .expect("dequantizes");
+                let n = v.len() as f64;
+                let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
+                let std = (v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n).sqrt();
+                assert!(v.iter().all(|x| x.is_finite()), "{}", t.name);
+                if t.dtype == GgmlDType::F32 {
+                    assert!((mean - 1.0).abs() < 0.05, "{} norm mean {mean}", t.name);
+                } else {
+                    assert!(
+                        (0.014..0.028).contains(&std) && mean.abs() < std / 8.0,
+                        "{} {:?}: mean {mean}, std {std}",
+                        t.name,
+                        t.dtype
+                    );
+                }
+            }
+        }
+    }
+}
