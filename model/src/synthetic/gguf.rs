@@ -87,7 +87,7 @@ enum Role {
 /// llama.cpp's rule for the blocks whose `attn_v` and `ffn_down` get Q6_K in a `_M` mix: the first and last
 /// eighth, and every third one between.
 fn use_more_bits(i: usize, n: usize) -> bool {
-    i < n / 8 || i >= 7 * n / 8 || (i >= n / 8 && (i - n / 8) % 3 == 2)
+    i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
 }
 
 /// The tokenizer a synthetic GGUF carries: the `tokenizer.*` metadata of another GGUF.
@@ -188,7 +188,11 @@ pub fn write_gguf(
         std::fs::read_to_string(&marker_path),
         std::fs::metadata(path),
     ) {
-        if serde_json::from_str::<serde_json::Value>(&text).ok().as_ref() == Some(&marker) {
+        if serde_json::from_str::<serde_json::Value>(&text)
+            .ok()
+            .as_ref()
+            == Some(&marker)
+        {
             return Ok(WrittenGguf {
                 path: path.to_path_buf(),
                 bytes: meta.len(),
@@ -241,13 +245,12 @@ fn gguf_tensors(shape: &SyntheticShape, format: GgufFormat) -> Vec<GgufTensor> {
     let (h, ff, hd) = (shape.hidden_size, shape.intermediate_size, shape.head_dim());
     let (q, kv) = (shape.num_heads * hd, shape.num_kv_heads * hd);
     let n = shape.num_blocks;
-    let matrix = |name: String, rows: usize, cols: usize, role: Role, block: Option<usize>| {
-        GgufTensor {
+    let matrix =
+        |name: String, rows: usize, cols: usize, role: Role, block: Option<usize>| GgufTensor {
             name,
             dims: vec![cols, rows],
             dtype: format.matrix_type(role, block.map(|i| (i, n))),
-        }
-    };
+        };
     let norm = |name: String, len: usize| GgufTensor {
         name,
         dims: vec![len],
@@ -524,10 +527,9 @@ mod tests {
     use candle_core::Device;
 
     fn smollm_tokenizer() -> GgufTokenizer {
-        let path = crate::models_dir::find_model(
-            "smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf",
-        )
-        .expect("the shared SmolLM2 model");
+        let path =
+            crate::models_dir::find_model("smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
+                .expect("the shared SmolLM2 model");
         GgufTokenizer::from_gguf(&path).expect("its tokenizer")
     }
 
@@ -588,10 +590,7 @@ mod tests {
 
             let mut file = File::open(&path).expect("open");
             let content = Content::read(&mut file).expect("a well-formed GGUF");
-            assert_eq!(
-                content.metadata["llama.block_count"].to_u32().ok(),
-                Some(8)
-            );
+            assert_eq!(content.metadata["llama.block_count"].to_u32().ok(), Some(8));
             let expected = gguf_tensors(
                 &SyntheticShape {
                     vocab_size: tokenizer.vocab_size(),

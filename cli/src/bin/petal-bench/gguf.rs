@@ -34,7 +34,10 @@ pub fn run(args: &GgufArgs) -> Result<Value> {
     })?;
     let format = GgufFormat::parse(&args.format).with_context(|| {
         let names: Vec<&str> = GgufFormat::ALL.iter().map(|f| f.name()).collect();
-        format!("unknown format {:?}: expected one of {names:?}", args.format)
+        format!(
+            "unknown format {:?}: expected one of {names:?}",
+            args.format
+        )
     })?;
     let tokenizer_path = match &args.tokenizer {
         Some(p) => p.clone(),
