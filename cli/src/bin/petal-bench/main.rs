@@ -11,7 +11,8 @@
 //! probe speaks the per-hop protocol through [`petal_client::HopClient`]; the swarms are [`petal_cli::LocalSwarm`]s.
 //!
 //! `petal-bench compare` measures Petal's side of the side-by-side benchmark with llama.cpp instead
-//! (`scripts/bench-compare`; see [`compare`]).
+//! (`scripts/bench-compare`; see [`compare`]). `petal-bench gguf` writes a random-weight GGUF of a real shape
+//! (see [`gguf`]).
 mod compare;
 mod gguf;
 mod model;
