@@ -6,8 +6,8 @@
 //! tokenizer's metadata (and so the vocabulary, which sets the embedding's rows) is copied from a GGUF the caller
 //! names, so the file runs with text in Petal and in llama.cpp alike. Written streaming, tensor by tensor, at the
 //! speed of the disk; a file already written with the same shape, format, tokenizer and seed is kept.
-use super::values::{fnv1a, SplitMix64, ValueTable};
-use super::{SyntheticFamily, SyntheticShape, WeightDType};
+use super::values::{fnv1a, norm_value, SplitMix64, ValueTable};
+use super::{is_current, SyntheticFamily, SyntheticShape, WeightDType};
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::GgmlDType;
 use std::fs::File;
@@ -184,21 +184,12 @@ pub fn write_gguf(
         "hidden": shape.hidden_size, "blocks": shape.num_blocks, "ffn": shape.intermediate_size,
         "heads": shape.num_heads, "kv_heads": shape.num_kv_heads,
     });
-    if let (Ok(text), Ok(meta)) = (
-        std::fs::read_to_string(&marker_path),
-        std::fs::metadata(path),
-    ) {
-        if serde_json::from_str::<serde_json::Value>(&text)
-            .ok()
-            .as_ref()
-            == Some(&marker)
-        {
-            return Ok(WrittenGguf {
-                path: path.to_path_buf(),
-                bytes: meta.len(),
-                written: false,
-            });
-        }
+    if is_current(&marker_path, &marker, path) {
+        return Ok(WrittenGguf {
+            path: path.to_path_buf(),
+            bytes: std::fs::metadata(path)?.len(),
+            written: false,
+        });
     }
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
@@ -440,8 +431,7 @@ fn f16_le(v: f32) -> [u8; 2] {
 /// Writes a tensor's data: norms from the synthetic norm grid, matrices as random blocks of their type.
 fn write_tensor(out: &mut impl Write, t: &GgufTensor, rng: &mut SplitMix64) -> io::Result<()> {
     if t.dtype == GgmlDType::F32 {
-        // The safetensors models' norm grid (`Values::Norm`).
-        let table = ValueTable::new(WeightDType::F32, |k| 1.0 + (k / 4) as f32 / 128.0);
+        let table = ValueTable::new(WeightDType::F32, norm_value);
         return table.write_random(out, t.dims.iter().product(), rng);
     }
     let block = t.dtype.type_size();

@@ -15,13 +15,15 @@ use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 mod gguf;
+mod shapes;
 mod values;
 
 pub use gguf::{write_gguf, GgufFormat, GgufTokenizer, WrittenGguf};
+pub use shapes::{MINI, SHAPES};
 
 #[cfg(test)]
 use values::{encode, f16_bits};
-use values::{fnv1a, SplitMix64, ValueTable, Values};
+use values::{fnv1a, norm_value, SplitMix64, ValueTable, Values};
 
 /// The dtype weights are stored in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -140,123 +142,6 @@ pub struct SyntheticShape {
     /// for Gemma 3, from layer 1 for Qwen); `None`: no layer is windowed (Gemma's then get `max_position`).
     pub sliding_window: Option<usize>,
 }
-
-/// The smallest shape with everything a family can vary: GQA, six blocks (so every family's window pattern has
-/// windowed and global layers), norms and a vocabulary big enough for greedy ties to be rare. The family tests use
-/// it (model/tests/oracle_families.rs, tests/tests/families.rs).
-pub const MINI: SyntheticShape = SyntheticShape {
-    name: "mini",
-    hidden_size: 64,
-    num_blocks: 6,
-    num_heads: 4,
-    num_kv_heads: 2,
-    intermediate_size: 128,
-    vocab_size: 256,
-    tie_embeddings: true,
-    max_position: 512,
-    family: SyntheticFamily::Llama,
-    sliding_window: None,
-};
-
-/// Named shapes: [`MINI`] and a tiny one for smoke tests, SmolLM2-135M's and llama-160m's, and a Llama-3.2-1B-like one
-/// (its vocabulary cut to 32000 to keep the client's head small).
-pub const SHAPES: &[SyntheticShape] = &[
-    MINI,
-    SyntheticShape {
-        name: "tiny",
-        hidden_size: 256,
-        num_blocks: 4,
-        num_heads: 4,
-        num_kv_heads: 2,
-        intermediate_size: 704,
-        vocab_size: 4096,
-        tie_embeddings: true,
-        max_position: 2048,
-        family: SyntheticFamily::Llama,
-        sliding_window: None,
-    },
-    SyntheticShape {
-        name: "135m",
-        hidden_size: 576,
-        num_blocks: 30,
-        num_heads: 9,
-        num_kv_heads: 3,
-        intermediate_size: 1536,
-        vocab_size: 49152,
-        tie_embeddings: true,
-        max_position: 2048,
-        family: SyntheticFamily::Llama,
-        sliding_window: None,
-    },
-    SyntheticShape {
-        name: "160m",
-        hidden_size: 768,
-        num_blocks: 12,
-        num_heads: 12,
-        num_kv_heads: 12,
-        intermediate_size: 3072,
-        vocab_size: 32000,
-        tie_embeddings: false,
-        max_position: 2048,
-        family: SyntheticFamily::Llama,
-        sliding_window: None,
-    },
-    SyntheticShape {
-        name: "1b",
-        hidden_size: 2048,
-        num_blocks: 16,
-        num_heads: 32,
-        num_kv_heads: 8,
-        intermediate_size: 8192,
-        vocab_size: 32000,
-        tie_embeddings: true,
-        max_position: 2048,
-        family: SyntheticFamily::Llama,
-        sliding_window: None,
-    },
-    // Real-scale shapes, for GGUF files in the formats users download ([`write_gguf`], which takes the
-    // vocabulary of the tokenizer it copies): Llama-3-8B, a 14B (Qwen2.5-14B's widths as a Llama) and
-    // Llama-3-70B.
-    SyntheticShape {
-        name: "8b",
-        hidden_size: 4096,
-        num_blocks: 32,
-        num_heads: 32,
-        num_kv_heads: 8,
-        intermediate_size: 14336,
-        vocab_size: 128256,
-        tie_embeddings: false,
-        max_position: 8192,
-        family: SyntheticFamily::Llama,
-        sliding_window: None,
-    },
-    SyntheticShape {
-        name: "14b",
-        hidden_size: 5120,
-        num_blocks: 48,
-        num_heads: 40,
-        num_kv_heads: 8,
-        intermediate_size: 13824,
-        vocab_size: 152064,
-        tie_embeddings: false,
-        max_position: 8192,
-        family: SyntheticFamily::Llama,
-        sliding_window: None,
-    },
-    SyntheticShape {
-        name: "70b",
-        hidden_size: 8192,
-        num_blocks: 80,
-        num_heads: 64,
-        num_kv_heads: 8,
-        intermediate_size: 28672,
-        vocab_size: 128256,
-        tie_embeddings: false,
-        max_position: 8192,
-        family: SyntheticFamily::Llama,
-        sliding_window: None,
-    },
-];
 
 impl SyntheticShape {
     /// The shape called `name` in [`SHAPES`].
@@ -486,7 +371,7 @@ pub fn write_model(
     let marker = serde_json::json!({ "shape": shape.name, "dtype": dtype.name(), "seed": seed,
         "config": shape.config_json(dtype) });
     let weights = dir.join("model.safetensors");
-    if is_current(dir, &marker, &weights) {
+    if is_current(&dir.join(MARKER), &marker, &weights) {
         let bytes = std::fs::metadata(&weights)?.len();
         return Ok(Written {
             dir: dir.to_path_buf(),
@@ -508,8 +393,9 @@ pub fn write_model(
     })
 }
 
-fn is_current(dir: &Path, marker: &serde_json::Value, weights: &Path) -> bool {
-    let Ok(text) = std::fs::read_to_string(dir.join(MARKER)) else {
+/// Whether the marker at `marker_path` says `marker` and the file it vouches for, `weights`, is there.
+pub(super) fn is_current(marker_path: &Path, marker: &serde_json::Value, weights: &Path) -> bool {
+    let Ok(text) = std::fs::read_to_string(marker_path) else {
         return false;
     };
     serde_json::from_str::<serde_json::Value>(&text)
@@ -533,7 +419,7 @@ fn write_safetensors(
     out.write_all(&(header.len() as u64).to_le_bytes())?;
     out.write_all(&header)?;
     let weights = ValueTable::new(dtype, |k| k as f32 / 4096.0);
-    let norms = ValueTable::new(dtype, |k| 1.0 + (k / 4) as f32 / 128.0);
+    let norms = ValueTable::new(dtype, norm_value);
     let norms_minus_one = ValueTable::new(dtype, |k| (k / 4) as f32 / 128.0);
     for (name, dims, values) in &kinds {
         let count: usize = dims.iter().product();

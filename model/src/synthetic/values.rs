@@ -14,6 +14,11 @@ pub(super) enum Values {
     NormMinusOne,
 }
 
+/// A norm weight of the grid [`Values::Norm`] draws from, for a random byte's `k`: `1 + (k / 4) / 128`.
+pub(super) fn norm_value(k: i32) -> f32 {
+    1.0 + (k / 4) as f32 / 128.0
+}
+
 /// The encoded bytes of 256 values, indexed by a random byte: byte `b` is `value(b - 128)`, except 0 which is
 /// `value(0)`, so values are symmetric around `value(0)`.
 pub(super) struct ValueTable {

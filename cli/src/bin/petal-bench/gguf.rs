@@ -2,7 +2,7 @@
 //! download, for the bench, the tests and a GPU host, none of which can be sent a 4-40 GB file.
 use anyhow::{Context, Result};
 use petal_model::models_dir::{default_model, missing_model, DEFAULT_MODEL};
-use petal_model::synthetic::{self, GgufFormat, GgufTokenizer, SyntheticShape};
+use petal_model::synthetic::{self, GgufFormat, GgufTokenizer};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -28,10 +28,7 @@ pub struct GgufArgs {
 
 /// Writes the file; returns what was written, as JSON.
 pub fn run(args: &GgufArgs) -> Result<Value> {
-    let shape = SyntheticShape::named(&args.shape).with_context(|| {
-        let names: Vec<&str> = synthetic::SHAPES.iter().map(|s| s.name).collect();
-        format!("unknown shape {:?}: expected one of {names:?}", args.shape)
-    })?;
+    let shape = crate::model::named_shape(&args.shape)?;
     let format = GgufFormat::parse(&args.format).with_context(|| {
         let names: Vec<&str> = GgufFormat::ALL.iter().map(|f| f.name()).collect();
         format!(

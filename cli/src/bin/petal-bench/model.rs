@@ -85,6 +85,14 @@ impl Drop for TempDir {
     }
 }
 
+/// The synthetic shape called `name`, or an error listing them.
+pub fn named_shape(name: &str) -> Result<SyntheticShape> {
+    SyntheticShape::named(name).with_context(|| {
+        let names: Vec<&str> = synthetic::SHAPES.iter().map(|s| s.name).collect();
+        format!("unknown synthetic shape {name:?}: expected one of {names:?}")
+    })
+}
+
 /// The model to benchmark: `--model`, a freshly written synthetic one, or the default SmolLM2. Returns its path,
 /// what was written (JSON, for synthetic models) and the temp dir to remove at the end.
 pub fn resolve(args: &Args) -> Result<(PathBuf, Value, Option<TempDir>)> {
@@ -95,10 +103,7 @@ pub fn resolve(args: &Args) -> Result<(PathBuf, Value, Option<TempDir>)> {
         };
         return Ok((path, Value::Null, None));
     };
-    let shape = SyntheticShape::named(name).with_context(|| {
-        let names: Vec<&str> = synthetic::SHAPES.iter().map(|s| s.name).collect();
-        format!("unknown synthetic shape {name:?}: expected one of {names:?}")
-    })?;
+    let shape = named_shape(name)?;
     let family = SyntheticFamily::parse(&args.family).with_context(|| {
         let names: Vec<&str> = SyntheticFamily::ALL.iter().map(|f| f.name()).collect();
         format!(
