@@ -22,6 +22,8 @@ use tokio::sync::{watch, Notify};
 pub struct AdmissionLimits {
     /// KV cache budget in positions (batch x tokens) of the node's dtype, across all sessions.
     pub cache_tokens: usize,
+    /// KV bytes of one position through the span: what a position of the budget costs in memory.
+    pub position_bytes: u64,
     pub max_sessions: usize,
     pub max_sessions_per_peer: usize,
     /// A session unused this long may be evicted for a peer below its fair share.
@@ -54,14 +56,23 @@ pub enum Refusal {
     Busy(usize),
     #[error("this peer holds {0} sessions, the per-peer limit")]
     PeerBusy(usize),
-    #[error("KV cache full: {asked} positions asked, {free} free of {total}")]
+    #[error(
+        "KV cache full: {asked} positions asked ({}), {free} free ({}) of {total} ({})",
+        bytes(*.asked, *.position_bytes), bytes(*.free, *.position_bytes), bytes(*.total, *.position_bytes)
+    )]
     CacheFull {
         asked: usize,
         free: usize,
         total: usize,
+        /// KV bytes of one position through the span.
+        position_bytes: u64,
     },
     #[error("server is shutting down")]
     ShuttingDown,
+}
+
+fn bytes(positions: usize, position_bytes: u64) -> String {
+    crate::memory::size(positions as u64 * position_bytes)
 }
 
 impl Refusal {
@@ -221,6 +232,7 @@ impl Admission {
                     asked: tokens,
                     free: total.saturating_sub(t.tokens_used),
                     total,
+                    position_bytes: self.limits.position_bytes,
                 }
             }
         };
@@ -365,6 +377,7 @@ impl Reservation {
                 asked: extra,
                 free: 0,
                 total: admission.limits.cache_tokens,
+                position_bytes: admission.limits.position_bytes,
             });
         };
         admission.make_room(&mut t, peer, extra, 0)?;
@@ -404,6 +417,7 @@ mod tests {
     fn limits(cache_tokens: usize, max_sessions: usize) -> AdmissionLimits {
         AdmissionLimits {
             cache_tokens,
+            position_bytes: 1 << 17,
             max_sessions,
             max_sessions_per_peer: usize::MAX,
             reclaim_idle: Duration::ZERO,
@@ -425,8 +439,14 @@ mod tests {
             Refusal::CacheFull {
                 asked: 40,
                 free: 20,
-                total: 100
+                total: 100,
+                position_bytes: 1 << 17,
             }
+        );
+        // In bytes too: a position of 128 KiB (the 8B shape's, in f16).
+        assert_eq!(
+            a.admit(p, 40, &wake()).unwrap_err().to_string(),
+            "KV cache full: 40 positions asked (5.0 MiB), 20 free (2.5 MiB) of 100 (12.5 MiB)"
         );
         drop(r1);
         let _r3 = a.admit(p, 40, &wake()).unwrap();

@@ -30,6 +30,9 @@ pub enum NodeError {
     /// one step at full context).
     #[error("{0}")]
     Limits(String),
+    /// A span or its smallest KV cache that the memory budget cannot hold (every size in the message).
+    #[error(transparent)]
+    Memory(#[from] crate::memory::MemoryError),
     /// The `--metrics-listen` address cannot be bound (taken port, bad interface).
     #[error("cannot listen for metrics on {addr} (--metrics-listen)")]
     MetricsBind {

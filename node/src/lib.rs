@@ -3,7 +3,7 @@
 //! [`Node::start`] opens the model and its devices ([`loader`], [`devices`]), joins the swarm, picks its span
 //! (given, or where the swarm needs it: [`balance`]), announces itself in the DHT and serves each incoming
 //! inference stream in its own task ([`handler`]) over the state they share ([`context`]); [`serving`] switches
-//! to another span when the balancer moves the node; [`admission`] keeps sessions within the cache budget and
+//! to another span when the balancer moves the node; [`memory`] plans the span, its KV cache and workspace within the memory budget; [`admission`] keeps sessions within the cache budget and
 //! each peer to its fair share; [`limits`] bounds what else a peer may make the node spend; [`push`] forwards
 //! outputs straight to the next server of a client's route; [`metrics`] serves Prometheus metrics. Every fallible public function returns a [`NodeError`].
 //!
@@ -17,6 +17,7 @@ pub mod error;
 pub mod handler;
 pub mod limits;
 pub mod loader;
+pub mod memory;
 pub mod metrics;
 pub mod push;
 pub mod server;

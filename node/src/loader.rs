@@ -1,15 +1,12 @@
 //! Loading spans: the devices and the model a node opens once at start, and any span of that model onto them
 //! (the first, and each one the balancer moves to). Runs on the blocking pool: it reads weights from disk.
-use crate::{devices, NodeError, Result};
+use crate::memory::MemoryNeeds;
+use crate::{devices, Result};
 use candle_core::{DType, Device};
 use petal_model::compute::placement::device_memory;
-use petal_model::{BlockRange, BlockSpan, ModelFormat, ModelSource};
+use petal_model::{BlockRange, BlockSpan, ModelSource};
 use petal_proto::pb;
 use std::sync::Arc;
-
-/// Share of the free memory the blocks and their KV cache may take when `--num-blocks` is not given: the rest is
-/// for activations, the runtime and whatever else the machine runs.
-const MEMORY_SHARE: f64 = 0.8;
 
 /// A span loaded onto the node's devices, with what its announcement says about it.
 pub struct LoadedSpan {
@@ -18,6 +15,8 @@ pub struct LoadedSpan {
     pub block_hashes: Vec<String>,
     /// The devices as announced: consecutive blocks grouped by the device they were placed on.
     pub devices: Vec<pb::DeviceInfo>,
+    /// Bytes the span's weights take (as the memory plan counts them).
+    pub weight_bytes: u64,
 }
 
 /// The opened model and devices of a node, and how it places blocks on them.
@@ -91,66 +90,46 @@ impl SpanLoader {
         let span = Arc::new(span);
         let block_hashes = self.source.block_hashes(range)?;
         let devices = span_devices(&span);
+        let weight_bytes = (range.start..range.end)
+            .map(|b| self.source.block_weight_bytes(b, self.dtype))
+            .sum();
         Ok(LoadedSpan {
             span,
             block_hashes,
             devices,
+            weight_bytes,
         })
     }
 
-    /// How many blocks this node can hold: as many as fit [`MEMORY_SHARE`] of its devices' free memory with a
-    /// KV cache of `cache_tokens` positions each, at most the whole model, at least one (or an error saying why
-    /// not even one fits). Devices whose free memory is unknown count as holding every block.
-    pub fn blocks_that_fit(&self, cache_tokens: usize) -> Result<usize> {
+    /// What the model's blocks need in memory, from the file's header alone.
+    pub fn memory_needs(
+        &self,
+        max_chunk_tokens: usize,
+        cache_tokens: usize,
+        limits: &crate::limits::ServeLimits,
+    ) -> MemoryNeeds {
         let spec = self.source.spec();
-        let weights = self.block_weight_bytes();
-        let cache = (cache_tokens
-            * spec.kv_bytes_per_token_per_block(self.kv_dtype().size_in_bytes()))
-            as f64;
-        let per_block = weights + cache;
-        let mut free = 0.0;
-        for d in &self.devices {
-            match available_memory(d) {
-                Some(bytes) => free += bytes as f64,
-                None => return Ok(spec.num_blocks),
-            }
-        }
-        let fit = (free * MEMORY_SHARE / per_block.max(1.0)).floor() as usize;
-        if fit == 0 {
-            return Err(NodeError::Devices(format!(
-                "not even one block fits: a block takes about {} MiB with its KV cache of {cache_tokens} positions, \
-                 {} MiB are free; lower --cache-tokens or free memory",
-                (per_block / 1048576.0).ceil(),
-                (free / 1048576.0).floor()
-            )));
-        }
-        Ok(fit.min(spec.num_blocks))
-    }
-
-    /// Bytes one block's weights take once loaded: the file's own bytes per parameter where they stay as stored
-    /// (quantized GGUF), else the compute dtype's.
-    fn block_weight_bytes(&self) -> f64 {
-        let spec = self.source.spec();
-        let h = spec.hidden_size as f64;
-        let block_params = spec.block_parameters() as f64;
-        let head_params = spec.vocab_size as f64 * h * if spec.tie_embeddings { 1.0 } else { 2.0 };
-        let stays_quantized = self.source.format() == ModelFormat::Gguf && self.dtype == DType::F32;
-        let bytes_per_param = match self.file_bytes() {
-            Some(file) if stays_quantized => {
-                file / (block_params * spec.num_blocks as f64 + head_params).max(1.0)
-            }
-            _ => self.dtype.size_in_bytes() as f64,
-        };
-        block_params * bytes_per_param
-    }
-
-    fn file_bytes(&self) -> Option<f64> {
-        let files = self.source.weight_files().ok()?;
-        let sizes: std::io::Result<Vec<u64>> = files
-            .iter()
-            .map(|f| std::fs::metadata(f).map(|m| m.len()))
+        let weights = (0..spec.num_blocks)
+            .map(|b| self.source.block_weight_bytes(b, self.dtype))
             .collect();
-        sizes.ok().map(|s| s.iter().sum::<u64>() as f64)
+        MemoryNeeds::new(
+            spec,
+            weights,
+            self.kv_dtype().size_in_bytes(),
+            max_chunk_tokens,
+            cache_tokens,
+            limits,
+        )
+    }
+
+    /// Free memory across the node's devices; `None` when one of them does not say.
+    pub fn free_memory(&self) -> Option<u64> {
+        self.devices.iter().map(available_memory).sum()
+    }
+
+    /// The KV budget in positions the spans loaded from now on get (the memory plan's).
+    pub fn set_cache_tokens(&mut self, positions: usize) {
+        self.cache_tokens = positions;
     }
 }
 

@@ -4,6 +4,7 @@ use crate::balance::{self, balancer::BalanceConfig};
 use crate::context::ServerContext;
 use crate::limits::ServeLimits;
 use crate::loader::SpanLoader;
+use crate::memory::{self, Budget};
 use crate::metrics::{BuildInfo, Metrics};
 use crate::push::Pusher;
 use crate::serving::{Serving, SpanSettings};
@@ -80,8 +81,12 @@ pub struct NodeConfig {
     /// The private swarm's key (`--swarm-key`); `None`: an open swarm.
     pub swarm_key: Option<PreSharedKey>,
     pub public_name: String,
-    /// KV cache budget in positions (batch x tokens) across all sessions.
+    /// Most KV cache in positions (batch x tokens) across all sessions (`--cache-tokens`): the node admits this
+    /// many, or what the memory budget leaves after weights and workspace if that is less.
     pub cache_tokens: usize,
+    /// Bytes the node may use for weights, KV reservations and workspace (`--max-memory`); `None`: what the
+    /// devices report free, less a margin.
+    pub max_memory: Option<u64>,
     pub max_sessions: usize,
     /// Most sessions one peer may hold (`--max-sessions-per-peer`).
     pub max_sessions_per_peer: usize,
@@ -129,6 +134,7 @@ impl NodeConfig {
             swarm_key: None,
             public_name: String::new(),
             cache_tokens: 16384,
+            max_memory: None,
             max_sessions: 64,
             max_sessions_per_peer: 32,
             reclaim_idle: Duration::from_secs(30),
@@ -187,11 +193,14 @@ impl Node {
         let quantization = source.quantization();
         let wire = wire_dtype(loader.dtype())?;
         let max_chunk_tokens = fit_chunk(&spec, config.max_chunk_tokens, &config.limits, wire)?;
-        // How many blocks, checked before the network starts.
-        let span_len = match config.blocks {
+        // How many blocks, and whether they fit the memory budget, checked before the network starts and before
+        // anything is read.
+        let needs = loader.memory_needs(max_chunk_tokens, config.cache_tokens, &config.limits);
+        let budget = Budget::new(config.max_memory, loader.free_memory());
+        let plan = match config.blocks {
             SpanChoice::Fixed(range) => {
                 range.validate(spec.num_blocks)?;
-                range.len()
+                needs.fixed(budget, range, config.cache_tokens)?
             }
             SpanChoice::Auto {
                 num_blocks: Some(n),
@@ -203,9 +212,22 @@ impl Node {
             }
             SpanChoice::Auto {
                 num_blocks: Some(n),
-            } => n,
-            SpanChoice::Auto { num_blocks: None } => loader.blocks_that_fit(config.cache_tokens)?,
+            } => needs.any_window(budget, n, config.cache_tokens)?,
+            SpanChoice::Auto { num_blocks: None } => {
+                needs.most_that_fit(budget, config.cache_tokens)?
+            }
         };
+        let span_len = plan.num_blocks;
+        tracing::info!(
+            blocks = span_len,
+            weights = %memory::size(plan.weight_bytes),
+            kv = %format!("{} ({} positions)", memory::size(plan.kv_bytes()), plan.cache_tokens),
+            workspace = %memory::size(plan.workspace_bytes),
+            budget = %plan.budget.map_or("none known".into(), |b| memory::size(b.bytes)),
+            "memory planned"
+        );
+        let mut loader = loader;
+        loader.set_cache_tokens(plan.cache_tokens);
         let loader = Arc::new(loader);
 
         let mut net_config = NetConfig::new(config.keypair.clone());
@@ -251,6 +273,8 @@ impl Node {
             petal_version: env!("CARGO_PKG_VERSION").to_string(),
             public_name: config.public_name.clone(),
             max_chunk_tokens: u32::try_from(max_chunk_tokens).unwrap_or(u32::MAX),
+            memory_budget_bytes: plan.budget.map_or(0, |b| b.bytes),
+            kv_position_bytes: plan.position_bytes,
             ..Default::default()
         };
         let metrics = Arc::new(Metrics::new(&BuildInfo {
@@ -261,7 +285,8 @@ impl Node {
         }));
         let settings = SpanSettings {
             admission: AdmissionLimits {
-                cache_tokens: config.cache_tokens,
+                cache_tokens: plan.cache_tokens,
+                position_bytes: plan.position_bytes,
                 max_sessions: config.max_sessions,
                 max_sessions_per_peer: config.max_sessions_per_peer,
                 reclaim_idle: config.reclaim_idle,

@@ -153,6 +153,7 @@ async fn build_context(
         throughput_tokens_per_sec: throughput as f32,
         devices: loaded.devices,
         block_hashes: loaded.block_hashes,
+        weight_bytes: loaded.weight_bytes,
         ..template.clone()
     };
     Ok(Arc::new(

@@ -27,6 +27,7 @@ fn context(
     common::stories_context_with(
         AdmissionLimits {
             cache_tokens,
+            position_bytes: 4096,
             max_sessions: 8,
             max_sessions_per_peer,
             reclaim_idle,

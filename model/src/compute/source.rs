@@ -306,6 +306,19 @@ impl ModelSource {
         }
     }
 
+    /// Bytes block `block`'s weights take once loaded into blocks computing in `dtype`, known before anything is
+    /// read: exact from a GGUF header (its quantized tensors stay as stored), else the spec's parameters (matrices
+    /// and norms) in `dtype`.
+    pub fn block_weight_bytes(&self, block: usize, dtype: DType) -> u64 {
+        match self.weights.block_stored(block) {
+            Some(tensors) => tensors.iter().map(|t| t.loaded_bytes(dtype)).sum(),
+            None => {
+                let norms = 2 * self.spec.hidden_size as u64;
+                (self.spec.block_parameters() + norms) * dtype.size_in_bytes() as u64
+            }
+        }
+    }
+
     /// Where blocks of this model run on `device` when `asked` for a dtype: see [`ModelSource::block_dtype`].
     pub fn block_placement(&self, device: &Device, asked: Option<DType>) -> Placement {
         Placement::new(device.clone(), self.block_dtype(asked))

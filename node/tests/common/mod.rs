@@ -28,6 +28,7 @@ pub fn stories_context(
     stories_context_with(
         AdmissionLimits {
             cache_tokens,
+            position_bytes: 4096,
             max_sessions,
             max_sessions_per_peer: max_sessions,
             reclaim_idle: Duration::from_secs(30),

@@ -49,6 +49,9 @@ fn sample_record() -> pb::ServerRecord {
         sessions_open: 3,
         block_hashes: vec!["ab".repeat(32); 11],
         max_chunk_tokens: 512,
+        memory_budget_bytes: 6 << 30,
+        weight_bytes: 3 << 30,
+        kv_position_bytes: 1 << 17,
     }
 }
 

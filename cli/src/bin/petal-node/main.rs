@@ -151,9 +151,15 @@ struct ServeArgs {
     /// A name shown in `petal swarm` and routes.
     #[arg(long, default_value = "")]
     public_name: String,
-    /// KV cache budget, in positions (batch x tokens) summed over all sessions.
+    /// Most KV cache, in positions (batch x tokens) summed over all sessions; less when the memory budget leaves
+    /// less after the weights.
     #[arg(long, default_value_t = 16384)]
     cache_tokens: usize,
+    /// Memory the node may use for weights, KV cache and workspace ("12GiB", "1500MB"; default: what the
+    /// devices report free, less a tenth). Without --blocks the node takes as many blocks as fit; with --blocks a
+    /// span that does not fit is refused before anything is read.
+    #[arg(long, value_parser = memory_size)]
+    max_memory: Option<u64>,
     /// Most sessions open at once.
     #[arg(long, default_value_t = 64)]
     max_sessions: usize,
@@ -262,6 +268,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.bootstrap = args.bootstrap;
     config.public_name = args.public_name;
     config.cache_tokens = args.cache_tokens;
+    config.max_memory = args.max_memory;
     config.max_sessions = args.max_sessions;
     config.max_chunk_tokens = args.max_chunk_tokens as usize;
     config.max_sessions_per_peer = args.max_sessions_per_peer as usize;
@@ -322,4 +329,15 @@ fn positive_throughput(s: &str) -> Result<f64, String> {
             "{s:?} is not a throughput in tokens per second above 0"
         )),
     }
+}
+
+/// A memory size as people write one: "12GiB", "1.5 GB", "800MiB", or bytes.
+fn memory_size(s: &str) -> Result<u64, String> {
+    let size: bytesize::ByteSize = s
+        .parse()
+        .map_err(|e| format!("{e}; say a size such as 12GiB or 1500MB"))?;
+    if size.as_u64() == 0 {
+        return Err("the memory budget must be more than 0 bytes".into());
+    }
+    Ok(size.as_u64())
 }

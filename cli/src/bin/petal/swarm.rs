@@ -44,7 +44,7 @@ pub async fn run(args: SwarmArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "{:<40} {:<54} {:<10} {:>7} {:<5} {:<22} {:>9} {:>11} {:<13}",
+        "{:<40} {:<54} {:<10} {:>7} {:<5} {:<22} {:>9} {:>11} {:<22} {:<13}",
         "MODEL",
         "PEER",
         "NAME",
@@ -53,11 +53,12 @@ pub async fn run(args: SwarmArgs) -> anyhow::Result<()> {
         "DEVICES",
         "TOKENS/S",
         "FREE CACHE",
+        "MEMORY W+KV/BUDGET",
         "REACHABILITY"
     );
     for s in &servers {
         println!(
-            "{:<40} {:<54} {:<10} {:>7} {:<5} {:<22} {:>9.1} {:>11} {:<13}",
+            "{:<40} {:<54} {:<10} {:>7} {:<5} {:<22} {:>9.1} {:>11} {:<22} {:<13}",
             s.model_id,
             s.peer_id,
             s.public_name,
@@ -66,10 +67,26 @@ pub async fn run(args: SwarmArgs) -> anyhow::Result<()> {
             s.device_spans().join(","),
             s.throughput_tokens_per_sec,
             s.cache_tokens_free,
+            memory(s),
             reachability(s)
         );
     }
     Ok(())
+}
+
+/// Weights and KV budget of the span against the node's memory budget ("1.4G+512.0M/2.5G"); "-" from servers
+/// that do not announce it.
+fn memory(s: &pb::ServerRecord) -> String {
+    if s.weight_bytes == 0 {
+        return "-".into();
+    }
+    let short = |b: u64| bytesize::ByteSize(b).display().iec_short().to_string();
+    let kv = short(s.cache_tokens_total.saturating_mul(s.kv_position_bytes));
+    let budget = match s.memory_budget_bytes {
+        0 => "?".to_string(),
+        b => short(b),
+    };
+    format!("{}+{kv}/{budget}", short(s.weight_bytes))
 }
 
 /// AutoNAT's verdict, with "+relay" when the server relays for others.
@@ -98,6 +115,10 @@ fn record_json(s: &pb::ServerRecord) -> serde_json::Value {
         "cache_tokens_free": s.cache_tokens_free,
         "cache_tokens_total": s.cache_tokens_total,
         "sessions_open": s.sessions_open,
+        "memory_budget_bytes": s.memory_budget_bytes,
+        "weight_bytes": s.weight_bytes,
+        "kv_position_bytes": s.kv_position_bytes,
+        "kv_bytes_total": s.cache_tokens_total.saturating_mul(s.kv_position_bytes),
         "reachability": s.reachability_status(),
         "relay": s.relay,
         "devices": s.devices.iter().map(|d| serde_json::json!({

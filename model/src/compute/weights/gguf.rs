@@ -1,6 +1,6 @@
 //! GGUF files: the header is parsed once; each tensor is read with one seek and one read of exactly its bytes, and
 //! stays quantized.
-use super::{BlockTensor, HeadTensor, LoadLog, Weight, WeightSource};
+use super::{BlockTensor, HeadTensor, LoadLog, StoredTensor, Weight, WeightSource};
 use crate::error::{ModelError, Result};
 use candle_core::quantized::gguf_file::{Content, TensorInfo, Value};
 use candle_core::Device;
@@ -174,6 +174,25 @@ impl WeightSource for GgufWeights {
             super::hash_file_range(&mut file, &self.path, start, len, hasher)?;
         }
         Ok(())
+    }
+
+    fn block_stored(&self, block: usize) -> Option<Vec<StoredTensor>> {
+        use candle_core::quantized::GgmlDType;
+        let tensors = self
+            .content
+            .tensor_infos
+            .iter()
+            .filter(|(name, _)| self.block_of(name) == Some(block))
+            .map(|(_, info)| StoredTensor {
+                elements: info.shape.elem_count() as u64,
+                bytes: self.data_range(info).1,
+                quantized: !matches!(
+                    info.ggml_dtype,
+                    GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16
+                ),
+            })
+            .collect();
+        Some(tensors)
     }
 
     fn fingerprint(&self, hasher: &mut Sha256) -> Result<()> {

@@ -172,6 +172,32 @@ pub trait WeightSource: Send + Sync {
     /// Feeds every byte of block `block`'s tensors (names, dtypes, shapes and data, in name order) into `hasher`:
     /// the block's exact identity, read from this block's tensors only.
     fn hash_block(&self, block: usize, hasher: &mut Sha256) -> Result<()>;
+    /// Block `block`'s tensors as the file stores them, from the header alone; `None` where the format does not
+    /// say without reading more (safetensors shards a hub model has not fetched yet).
+    fn block_stored(&self, _block: usize) -> Option<Vec<StoredTensor>> {
+        None
+    }
+}
+
+/// One tensor as a file stores it: what a memory budget needs to know before anything is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoredTensor {
+    pub elements: u64,
+    pub bytes: u64,
+    /// Quantized (GGUF's block formats), rather than a float dtype.
+    pub quantized: bool,
+}
+
+impl StoredTensor {
+    /// Bytes once loaded into blocks computing in `dtype`: quantized tensors stay as stored in f32 blocks
+    /// ([`Weight::matmul`]); everything else is held in `dtype`.
+    pub fn loaded_bytes(&self, dtype: DType) -> u64 {
+        if self.quantized && dtype == DType::F32 {
+            self.bytes
+        } else {
+            self.elements * dtype.size_in_bytes() as u64
+        }
+    }
 }
 
 /// Feeds `len` bytes of `file` from `start` into `hasher`, a MiB at a time.
