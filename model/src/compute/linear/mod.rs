@@ -172,6 +172,7 @@ macro_rules! matmul_op {
 mod amx;
 mod candle_rows;
 mod fifth_bits;
+pub mod k_quant;
 pub mod q4_0;
 pub mod q4_1;
 pub mod q5_0;
@@ -182,6 +183,7 @@ mod stacked;
 mod weight_bytes;
 
 pub use candle_rows::CandleRows;
+pub use k_quant::{Q4KMatrix, Q5KMatrix, Q6KMatrix};
 pub use q4_0::Q4_0Matrix;
 pub use q4_1::Q4_1Matrix;
 pub use q5_0::Q5_0Matrix;
@@ -206,6 +208,9 @@ pub enum Linear {
     Q5_0(Arc<Q5_0Matrix>),
     Q5_1(Arc<Q5_1Matrix>),
     Q8_0(Arc<Q8_0Matrix>),
+    Q4K(Arc<Q4KMatrix>),
+    Q5K(Arc<Q5KMatrix>),
+    Q6K(Arc<Q6KMatrix>),
 }
 
 impl Linear {
@@ -226,6 +231,19 @@ impl Linear {
             }
             if let Some(m) = Q8_0Matrix::from_qtensor(&q)? {
                 return Ok(Self::Q8_0(Arc::new(m)));
+            }
+            // The K-quants where this CPU runs our 512-bit kernels; elsewhere candle's AVX2 ones are faster than
+            // our scalar reference.
+            if k_quant::Kernel::vector().is_some() {
+                if let Some(m) = Q4KMatrix::from_qtensor(&q)? {
+                    return Ok(Self::Q4K(Arc::new(m)));
+                }
+                if let Some(m) = Q5KMatrix::from_qtensor(&q)? {
+                    return Ok(Self::Q5K(Arc::new(m)));
+                }
+                if let Some(m) = Q6KMatrix::from_qtensor(&q)? {
+                    return Ok(Self::Q6K(Arc::new(m)));
+                }
             }
             if let Some(m) = CandleRows::new(&q, rayon::current_num_threads())? {
                 return Ok(Self::CandleRows(Arc::new(m)));
@@ -257,7 +275,14 @@ impl Linear {
     pub fn rows_independent(&self) -> bool {
         matches!(
             self,
-            Self::Q4_0(_) | Self::Q4_1(_) | Self::Q5_0(_) | Self::Q5_1(_) | Self::Q8_0(_)
+            Self::Q4_0(_)
+                | Self::Q4_1(_)
+                | Self::Q5_0(_)
+                | Self::Q5_1(_)
+                | Self::Q8_0(_)
+                | Self::Q4K(_)
+                | Self::Q5K(_)
+                | Self::Q6K(_)
         )
     }
 
@@ -271,6 +296,9 @@ impl Linear {
             Self::Q5_0(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
             Self::Q5_1(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
             Self::Q8_0(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
+            Self::Q4K(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
+            Self::Q5K(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
+            Self::Q6K(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
         })
     }
 }

@@ -2,7 +2,10 @@
 //! the input is quantized once and the threads are woken once (on a GPU: one launch instead of two per part, and
 //! launches are what bound a GPU's decode step). Rows of a stacked matrix are computed exactly as they would be
 //! alone, so results do not change.
-use super::{Linear, Q4_0Matrix, Q4_1Matrix, Q5_0Matrix, Q5_1Matrix, Repacked};
+use super::{
+    Linear, Q4KMatrix, Q4_0Matrix, Q4_1Matrix, Q5KMatrix, Q5_0Matrix, Q5_1Matrix, Q6KMatrix,
+    Repacked,
+};
 use crate::error::Result;
 use candle_core::quantized::{QMatMul, QStorage, QTensor};
 use candle_core::Tensor;
@@ -39,6 +42,9 @@ impl Stacked {
         stack_format!(Q4_1, Q4_1Matrix);
         stack_format!(Q5_0, Q5_0Matrix);
         stack_format!(Q5_1, Q5_1Matrix);
+        stack_format!(Q4K, Q4KMatrix);
+        stack_format!(Q5K, Q5KMatrix);
+        stack_format!(Q6K, Q6KMatrix);
         // candle's quantized matrices on a GPU (on the CPU, the formats our kernels take are stacked above).
         let on_gpu: Vec<&QTensor> = parts
             .iter()
@@ -214,15 +220,20 @@ mod tests {
         use super::{Linear, Stacked};
         use candle_core::Device;
         let part = |rows: usize, seed: u64, dtype: GgmlDType| {
-            let q = QTensor::quantize(&test_matrix(rows, 128, seed), dtype).unwrap();
+            let q = QTensor::quantize(&test_matrix(rows, 256, seed), dtype).unwrap();
             Linear::quantized(Arc::new(q), &Device::Cpu).unwrap()
         };
-        for dtype in [
+        let mut formats = vec![
             GgmlDType::Q4_0,
             GgmlDType::Q4_1,
             GgmlDType::Q5_0,
             GgmlDType::Q5_1,
-        ] {
+        ];
+        // The K-quants are ours only where our vector kernels run.
+        if super::super::k_quant::Kernel::vector().is_some() {
+            formats.extend([GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K]);
+        }
+        for dtype in formats {
             let parts = vec![part(48, 1, dtype), part(16, 2, dtype), part(16, 3, dtype)];
             let stacked = Stacked::new(parts.clone()).unwrap();
             let Stacked::One(whole, widths) = &stacked else {
@@ -234,9 +245,12 @@ mod tests {
                     | (Linear::Q4_1(_), GgmlDType::Q4_1)
                     | (Linear::Q5_0(_), GgmlDType::Q5_0)
                     | (Linear::Q5_1(_), GgmlDType::Q5_1)
+                    | (Linear::Q4K(_), GgmlDType::Q4K)
+                    | (Linear::Q5K(_), GgmlDType::Q5K)
+                    | (Linear::Q6K(_), GgmlDType::Q6K)
             ));
             assert_eq!(widths, &[48, 16, 16]);
-            let x = test_matrix(5, 128, 9);
+            let x = test_matrix(5, 256, 9);
             for (mine, alone) in stacked.forward(&x).unwrap().iter().zip(&parts) {
                 let (a, b) = (
                     mine.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
