@@ -232,8 +232,8 @@ impl Linear {
             if let Some(m) = Q8_0Matrix::from_qtensor(&q)? {
                 return Ok(Self::Q8_0(Arc::new(m)));
             }
-            // The K-quants where this CPU runs our 512-bit kernels; elsewhere candle's AVX2 ones are faster than
-            // our scalar reference.
+            // The K-quants where this CPU runs one of our vector kernels (AVX2 or AVX-512); elsewhere candle's
+            // are faster than our scalar reference.
             if k_quant::Kernel::vector().is_some() {
                 if let Some(m) = Q4KMatrix::from_qtensor(&q)? {
                     return Ok(Self::Q4K(Arc::new(m)));
@@ -562,7 +562,10 @@ pub trait Repacked: Sized {
                 Self::DTYPE
             )));
         }
-        let bytes: Vec<u8> = parts.iter().flat_map(|p| p.to_bytes()).collect();
+        let mut bytes = Vec::new();
+        for p in parts {
+            bytes.extend_from_slice(&p.to_bytes());
+        }
         Self::from_bytes(&bytes, parts.iter().map(|p| p.rows()).sum(), cols)
     }
 }

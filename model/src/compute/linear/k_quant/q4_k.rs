@@ -92,9 +92,11 @@ fn group_dots<const FIFTH: bool>(
     );
     match kernel {
         Kernel::Scalar => group_scalar::<FIFTH>(group, xs, out),
-        // SAFETY: `available` lists it only on CPUs with AVX-512 BW; the lengths were checked above.
+        // SAFETY: `available` lists each only on CPUs with its features; the lengths were checked above.
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx512 => unsafe { avx512::group_dots::<FIFTH>(group, xs, out) },
+        Kernel::Avx2 => unsafe { vector::group_dots_8::<FIFTH>(group, xs, out) },
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512 => unsafe { vector::group_dots_16::<FIFTH>(group, xs, out) },
     }
 }
 
@@ -183,163 +185,162 @@ fn group_scalar<const FIFTH: bool>(group: &[u8], xs: &[Q8KRow<'_>], out: &mut [[
     }
 }
 
-/// Sixteen rows per vector (one per 32-bit lane), one activation row at a time: its eight lanes' integer sums and
-/// float sums and the minimums' four take twenty registers.
+/// One row per 32-bit lane (sixteen or eight rows a vector: a group in one pass or two), one activation row at a
+/// time: its eight lanes' integer sums and float sums and the minimums' four take twenty registers.
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
-    use super::super::super::prefetch_ahead;
+mod vector {
+    use super::super::lanes::{Lanes, L16, L8};
     use super::{
         layout, nibble_words, Q8KRow, GROUP_ROWS, KMASK1, KMASK2, KMASK3, QK_K, SCALE_WORDS,
     };
-    use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    pub unsafe fn group_dots<const FIFTH: bool>(
+    pub unsafe fn group_dots_16<const FIFTH: bool>(
+        group: &[u8],
+        xs: &[Q8KRow<'_>],
+        out: &mut [[f32; GROUP_ROWS]],
+    ) {
+        group_dots::<L16, FIFTH>(group, xs, out)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn group_dots_8<const FIFTH: bool>(
+        group: &[u8],
+        xs: &[Q8KRow<'_>],
+        out: &mut [[f32; GROUP_ROWS]],
+    ) {
+        group_dots::<L8, FIFTH>(group, xs, out)
+    }
+
+    #[inline(always)]
+    unsafe fn group_dots<L: Lanes, const FIFTH: bool>(
         group: &[u8],
         xs: &[Q8KRow<'_>],
         out: &mut [[f32; GROUP_ROWS]],
     ) {
         for (x, o) in xs.iter().zip(out.iter_mut()) {
-            row::<FIFTH>(group, x, o);
+            row::<L, FIFTH>(group, x, o);
         }
     }
 
     /// Each lane's byte `s % 4` of `w` (unsigned), in both 16-bit halves of the lane: a scale as `madd` takes it.
     #[inline(always)]
-    unsafe fn scale_pairs(w: __m512i, s: usize) -> __m512i {
-        let v = _mm512_and_si512(
-            _mm512_srlv_epi32(w, _mm512_set1_epi32(8 * (s % 4) as i32)),
-            _mm512_set1_epi32(0xFF),
-        );
-        _mm512_or_si512(v, _mm512_slli_epi32(v, 16))
+    unsafe fn scale_pairs<L: Lanes>(w: L::I, s: usize) -> L::I {
+        let v = L::and(L::shr32(w, 8 * (s % 4) as i32), L::splat32(0xFF));
+        L::or(v, L::shl32(v, 16))
     }
 
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    unsafe fn row<const FIFTH: bool>(group: &[u8], x: &Q8KRow<'_>, out: &mut [f32; GROUP_ROWS]) {
+    /// The group's rows against one activation row. With eight rows a vector, the two halves of each super-block
+    /// are taken one after the other, while its cache lines (each holding both halves' words) are in the
+    /// first-level cache; the sums of both stay live.
+    #[inline(always)]
+    unsafe fn row<L: Lanes, const FIFTH: bool>(
+        group: &[u8],
+        x: &Q8KRow<'_>,
+        out: &mut [f32; GROUP_ROWS],
+    ) {
         let layout = layout(FIFTH);
         let gb = layout.group_bytes();
-        let one = _mm512_set1_epi8(1);
-        let mut sum_m = _mm512_setzero_ps();
-        let nibble = _mm512_set1_epi8(0x0F);
+        let one = L::splat8(1);
+        let nibble = L::splat8(0x0F);
         let (k1, k2, k3) = (
-            _mm512_set1_epi32(KMASK1 as i32),
-            _mm512_set1_epi32(KMASK2 as i32),
-            _mm512_set1_epi32(KMASK3 as i32),
+            L::splat32(KMASK1 as i32),
+            L::splat32(KMASK2 as i32),
+            L::splat32(KMASK3 as i32),
         );
-        let mut acc = [_mm512_setzero_ps(); 8];
-        let mut acc_m = [_mm512_setzero_ps(); 4];
+        let parts = GROUP_ROWS / L::ROWS;
+        let mut sum_m = [L::zero_f(); 2];
+        let mut acc = [[L::zero_f(); 8]; 2];
+        let mut acc_m = [[L::zero_f(); 4]; 2];
         for b in 0..group.len() / gb {
-            prefetch_ahead(group.as_ptr(), b, gb);
             let sb = group.as_ptr().add(b * gb);
-            let load = |w: usize| _mm512_loadu_si512(sb.add(layout.word_at(w)) as *const __m512i);
-            let half = |i: usize| {
-                _mm512_cvtph_ps(_mm256_loadu_si256(
-                    sb.add(i * 2 * GROUP_ROWS) as *const __m256i
-                ))
-            };
-            let d = _mm512_mul_ps(half(0), _mm512_set1_ps(x.d[b]));
-            let dmin = _mm512_mul_ps(half(1), _mm512_set1_ps(-x.d[b]));
-            let (u0, u1, u2) = (load(0), load(1), load(2));
-            let sc = [
-                _mm512_and_si512(u0, k1),
-                _mm512_or_si512(
-                    _mm512_and_si512(u2, k2),
-                    _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), k3), 4),
-                ),
-            ];
-            let mn = [
-                _mm512_and_si512(u1, k1),
-                _mm512_or_si512(
-                    _mm512_and_si512(_mm512_srli_epi32(u2, 4), k2),
-                    _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), k3), 4),
-                ),
-            ];
-            // Minimums `2i` and `2i + 1` as the two halves of each lane, against the activations' sums of those
-            // sub-blocks.
-            let (low_byte, third_byte) = (_mm512_set1_epi32(0xFF), _mm512_set1_epi32(0xFF_0000));
-            let mut prods = [_mm512_setzero_si512(); 4];
-            for (i, prod) in prods.iter_mut().enumerate() {
-                let w = mn[i / 2];
-                let pair = if i % 2 == 0 {
-                    _mm512_or_si512(
-                        _mm512_and_si512(w, low_byte),
-                        _mm512_slli_epi32(_mm512_and_si512(w, _mm512_set1_epi32(0xFF00)), 8),
-                    )
+            for part in 0..parts {
+                let (acc, acc_m, sum_m) = (&mut acc[part], &mut acc_m[part], &mut sum_m[part]);
+                let load = |w: usize| L::load(sb.add(layout.word_at(w) + part * 4 * L::ROWS));
+                let half = |i: usize| L::halves(sb.add(i * 2 * GROUP_ROWS + part * 2 * L::ROWS));
+                let d = L::mul_f(half(0), L::splat_f(x.d[b]));
+                let dmin = L::mul_f(half(1), L::splat_f(-x.d[b]));
+                let (u0, u1, u2) = (load(0), load(1), load(2));
+                let sc = [
+                    L::and(u0, k1),
+                    L::or(L::and(u2, k2), L::shl32(L::and(L::shr32(u0, 6), k3), 4)),
+                ];
+                let mn = [
+                    L::and(u1, k1),
+                    L::or(
+                        L::and(L::shr32(u2, 4), k2),
+                        L::shl32(L::and(L::shr32(u1, 6), k3), 4),
+                    ),
+                ];
+                // Minimums `2i` and `2i + 1` as the two halves of each lane, against the activations' sums of
+                // those sub-blocks.
+                let (low_byte, third_byte) = (L::splat32(0xFF), L::splat32(0xFF_0000));
+                let mut prods = [L::zero(); 4];
+                for (i, prod) in prods.iter_mut().enumerate() {
+                    let w = mn[i / 2];
+                    let pair = if i % 2 == 0 {
+                        L::or(
+                            L::and(w, low_byte),
+                            L::shl32(L::and(w, L::splat32(0xFF00)), 8),
+                        )
+                    } else {
+                        L::or(
+                            L::and(L::shr32(w, 16), low_byte),
+                            L::and(L::shr32(w, 8), third_byte),
+                        )
+                    };
+                    *prod = L::madd(pair, L::splat32(x.sub_sums[b][i]));
+                }
+                if FIFTH {
+                    let total =
+                        L::add32(L::add32(prods[0], prods[1]), L::add32(prods[2], prods[3]));
+                    *sum_m = L::add_f(*sum_m, L::mul_f(dmin, L::to_f32(total)));
                 } else {
-                    _mm512_or_si512(
-                        _mm512_and_si512(_mm512_srli_epi32(w, 16), low_byte),
-                        _mm512_and_si512(_mm512_srli_epi32(w, 8), third_byte),
-                    )
-                };
-                *prod = _mm512_madd_epi16(pair, _mm512_set1_epi32(x.sub_sums[b][i]));
-            }
-            if FIFTH {
-                let total = _mm512_add_epi32(
-                    _mm512_add_epi32(prods[0], prods[1]),
-                    _mm512_add_epi32(prods[2], prods[3]),
-                );
-                sum_m = _mm512_add_ps(sum_m, _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(total)));
-            } else {
-                for (a, p) in acc_m.iter_mut().zip(prods) {
-                    *a = _mm512_fmadd_ps(dmin, _mm512_cvtepi32_ps(p), *a);
-                }
-            }
-            let y = x.qs[b].as_ptr();
-            let mut sumi = [_mm512_setzero_si512(); 8];
-            for j in 0..QK_K / 64 {
-                let (s_lo, s_hi) = (
-                    scale_pairs(sc[j / 2], 2 * j),
-                    scale_pairs(sc[j / 2], 2 * j + 1),
-                );
-                for (l, s) in sumi.iter_mut().enumerate() {
-                    let bits = load(nibble_words(FIFTH) + 8 * j + l);
-                    let mut lo = _mm512_and_si512(bits, nibble);
-                    let mut hi = _mm512_and_si512(_mm512_srli_epi16(bits, 4), nibble);
-                    if FIFTH {
-                        // Bits `2j` and `2j + 1` of each `qh` byte, as each value's bit 4.
-                        let qh = load(SCALE_WORDS + l);
-                        let fifth = |shift: u32| {
-                            _mm512_slli_epi16(
-                                _mm512_and_si512(
-                                    _mm512_srl_epi16(qh, _mm_cvtsi32_si128(shift as i32)),
-                                    one,
-                                ),
-                                4,
-                            )
-                        };
-                        lo = _mm512_or_si512(lo, fifth(2 * j as u32));
-                        hi = _mm512_or_si512(hi, fifth(2 * j as u32 + 1));
+                    for (a, p) in acc_m.iter_mut().zip(prods) {
+                        *a = L::fmadd(dmin, L::to_f32(p), *a);
                     }
-                    let y_lo =
-                        _mm512_set1_epi32((y.add(64 * j + 4 * l) as *const i32).read_unaligned());
-                    let y_hi = _mm512_set1_epi32(
-                        (y.add(64 * j + 32 + 4 * l) as *const i32).read_unaligned(),
-                    );
-                    *s = _mm512_add_epi32(
-                        *s,
-                        _mm512_madd_epi16(_mm512_maddubs_epi16(lo, y_lo), s_lo),
-                    );
-                    *s = _mm512_add_epi32(
-                        *s,
-                        _mm512_madd_epi16(_mm512_maddubs_epi16(hi, y_hi), s_hi),
-                    );
                 }
-            }
-            for (a, s) in acc.iter_mut().zip(sumi) {
-                *a = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), *a);
+                let y = x.qs[b].as_ptr();
+                let mut sumi = [L::zero(); 8];
+                for j in 0..QK_K / 64 {
+                    let (s_lo, s_hi) = (
+                        scale_pairs::<L>(sc[j / 2], 2 * j),
+                        scale_pairs::<L>(sc[j / 2], 2 * j + 1),
+                    );
+                    for (l, s) in sumi.iter_mut().enumerate() {
+                        let bits = load(nibble_words(FIFTH) + 8 * j + l);
+                        let mut lo = L::and(bits, nibble);
+                        let mut hi = L::and(L::shr16(bits, 4), nibble);
+                        if FIFTH {
+                            // Bits `2j` and `2j + 1` of each `qh` byte, as each value's bit 4.
+                            let qh = load(SCALE_WORDS + l);
+                            let fifth = |shift: i32| L::shl16(L::and(L::shr16(qh, shift), one), 4);
+                            lo = L::or(lo, fifth(2 * j as i32));
+                            hi = L::or(hi, fifth(2 * j as i32 + 1));
+                        }
+                        let y_lo =
+                            L::splat32((y.add(64 * j + 4 * l) as *const i32).read_unaligned());
+                        let y_hi =
+                            L::splat32((y.add(64 * j + 32 + 4 * l) as *const i32).read_unaligned());
+                        *s = L::add32(*s, L::madd(L::maddubs(lo, y_lo), s_lo));
+                        *s = L::add32(*s, L::madd(L::maddubs(hi, y_hi), s_hi));
+                    }
+                }
+                for (a, s) in acc.iter_mut().zip(sumi) {
+                    *a = L::fmadd(d, L::to_f32(s), *a);
+                }
             }
         }
-        let h: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(acc[i + 4], acc[i]));
-        let sums = _mm512_add_ps(_mm512_add_ps(h[0], h[2]), _mm512_add_ps(h[1], h[3]));
-        let mins = if FIFTH {
-            sum_m
-        } else {
-            _mm512_add_ps(
-                _mm512_add_ps(acc_m[0], acc_m[2]),
-                _mm512_add_ps(acc_m[1], acc_m[3]),
-            )
-        };
-        _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(sums, mins));
+        for part in 0..parts {
+            let (acc, acc_m) = (&acc[part], &acc_m[part]);
+            let h: [L::F; 4] = std::array::from_fn(|i| L::add_f(acc[i + 4], acc[i]));
+            let sums = L::add_f(L::add_f(h[0], h[2]), L::add_f(h[1], h[3]));
+            let mins = if FIFTH {
+                sum_m[part]
+            } else {
+                L::add_f(L::add_f(acc_m[0], acc_m[2]), L::add_f(acc_m[1], acc_m[3]))
+            };
+            L::store(out.as_mut_ptr().add(part * L::ROWS), L::add_f(sums, mins));
+        }
     }
 }

@@ -62,9 +62,11 @@ impl KFormat for Q6K {
         );
         match kernel {
             Kernel::Scalar => group_scalar(group, xs, out),
-            // SAFETY: `available` lists it only on CPUs with AVX-512 BW; the lengths were checked above.
+            // SAFETY: `available` lists each only on CPUs with its features; the lengths were checked above.
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512 => unsafe { avx512::group_dots(group, xs, out) },
+            Kernel::Avx2 => unsafe { vector::group_dots_8(group, xs, out) },
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512 => unsafe { vector::group_dots_16(group, xs, out) },
         }
     }
 }
@@ -107,93 +109,83 @@ fn group_scalar(group: &[u8], xs: &[Q8KRow<'_>], out: &mut [[f32; GROUP_ROWS]]) 
     }
 }
 
-/// Sixteen rows per vector (one per 32-bit lane), one activation row at a time; a super-block's sixteen scales are
-/// unpacked once into a buffer.
+/// One row per 32-bit lane (sixteen or eight rows a vector: a group in one pass or two), one activation row at a
+/// time; a super-block's sixteen scales are unpacked once into a buffer.
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
-    use super::super::super::prefetch_ahead;
+mod vector {
+    use super::super::lanes::{Lanes, L16, L8};
     use super::{ql_word, Q8KRow, GROUP_ROWS, LAYOUT, QH_WORDS, SCALE_WORDS};
-    use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    pub unsafe fn group_dots(group: &[u8], xs: &[Q8KRow<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+    pub unsafe fn group_dots_16(group: &[u8], xs: &[Q8KRow<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+        group_dots::<L16>(group, xs, out)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn group_dots_8(group: &[u8], xs: &[Q8KRow<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+        group_dots::<L8>(group, xs, out)
+    }
+
+    #[inline(always)]
+    unsafe fn group_dots<L: Lanes>(group: &[u8], xs: &[Q8KRow<'_>], out: &mut [[f32; GROUP_ROWS]]) {
         for (x, o) in xs.iter().zip(out.iter_mut()) {
-            row(group, x, o);
+            row::<L>(group, x, o);
         }
     }
 
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    unsafe fn row(group: &[u8], x: &Q8KRow<'_>, out: &mut [f32; GROUP_ROWS]) {
+    /// The group's rows against one activation row; with eight rows a vector, the two halves of each super-block
+    /// one after the other while its cache lines are in the first-level cache (as Q4_K's).
+    #[inline(always)]
+    unsafe fn row<L: Lanes>(group: &[u8], x: &Q8KRow<'_>, out: &mut [f32; GROUP_ROWS]) {
         let gb = LAYOUT.group_bytes();
-        let nibble = _mm512_set1_epi8(0x0F);
-        let mut acc = [_mm512_setzero_ps(); 8];
-        let mut scales = [_mm512_setzero_si512(); 16];
+        let nibble = L::splat8(0x0F);
+        let parts = GROUP_ROWS / L::ROWS;
+        let mut acc = [[L::zero_f(); 8]; 2];
+        let mut scales = [L::zero(); 16];
         for b in 0..group.len() / gb {
-            prefetch_ahead(group.as_ptr(), b, gb);
             let sb = group.as_ptr().add(b * gb);
-            let load = |w: usize| _mm512_loadu_si512(sb.add(LAYOUT.word_at(w)) as *const __m512i);
-            let d = _mm512_mul_ps(
-                _mm512_cvtph_ps(_mm256_loadu_si256(sb as *const __m256i)),
-                _mm512_set1_ps(x.d[b]),
-            );
-            // Each scale sign-extended, in both 16-bit halves of its lane.
-            for (s, v) in scales.iter_mut().enumerate() {
-                let w = load(SCALE_WORDS + s / 4);
-                let one = _mm512_srai_epi32(
-                    _mm512_sllv_epi32(w, _mm512_set1_epi32(24 - 8 * (s % 4) as i32)),
-                    24,
-                );
-                *v = _mm512_or_si512(
-                    _mm512_and_si512(one, _mm512_set1_epi32(0xFFFF)),
-                    _mm512_slli_epi32(one, 16),
-                );
-            }
-            let (y, offsets) = (x.qs[b].as_ptr(), &x.offsets[b]);
-            let mut sumi = [_mm512_setzero_si512(); 8];
-            for n in 0..2 {
-                for (l, s) in sumi.iter_mut().enumerate() {
-                    let qh = load(QH_WORDS + 8 * n + l);
-                    let (qa, qb) = (load(ql_word(n, 0, l)), load(ql_word(n, 1, l)));
-                    let six = [
-                        _mm512_or_si512(
-                            _mm512_and_si512(qa, nibble),
-                            _mm512_slli_epi16(_mm512_and_si512(qh, _mm512_set1_epi8(0x03)), 4),
-                        ),
-                        _mm512_or_si512(
-                            _mm512_and_si512(qb, nibble),
-                            _mm512_slli_epi16(_mm512_and_si512(qh, _mm512_set1_epi8(0x0C)), 2),
-                        ),
-                        _mm512_or_si512(
-                            _mm512_and_si512(_mm512_srli_epi16(qa, 4), nibble),
-                            _mm512_and_si512(qh, _mm512_set1_epi8(0x30)),
-                        ),
-                        _mm512_or_si512(
-                            _mm512_and_si512(_mm512_srli_epi16(qb, 4), nibble),
-                            _mm512_srli_epi16(
-                                _mm512_and_si512(qh, _mm512_set1_epi8(0xC0u8 as i8)),
-                                2,
+            for (part, acc) in acc.iter_mut().enumerate().take(parts) {
+                let load = |w: usize| L::load(sb.add(LAYOUT.word_at(w) + part * 4 * L::ROWS));
+                let d = L::mul_f(L::halves(sb.add(part * 2 * L::ROWS)), L::splat_f(x.d[b]));
+                // Each scale sign-extended, in both 16-bit halves of its lane.
+                for (s, v) in scales.iter_mut().enumerate() {
+                    let w = load(SCALE_WORDS + s / 4);
+                    let one = L::sar32(L::shl32(w, 24 - 8 * (s % 4) as i32), 24);
+                    *v = L::or(L::and(one, L::splat32(0xFFFF)), L::shl32(one, 16));
+                }
+                let (y, offsets) = (x.qs[b].as_ptr(), &x.offsets[b]);
+                // Lane `l`'s integer sum in a register of its own (a sum of eight lanes in an array ended up on
+                // the stack, half the speed); integers add exactly in any order.
+                for (l, a) in acc.iter_mut().enumerate() {
+                    let mut sum = L::zero();
+                    for n in 0..2 {
+                        let qh = load(QH_WORDS + 8 * n + l);
+                        let (qa, qb) = (load(ql_word(n, 0, l)), load(ql_word(n, 1, l)));
+                        let six = [
+                            L::or(L::and(qa, nibble), L::shl16(L::and(qh, L::splat8(0x03)), 4)),
+                            L::or(L::and(qb, nibble), L::shl16(L::and(qh, L::splat8(0x0C)), 2)),
+                            L::or(L::and(L::shr16(qa, 4), nibble), L::and(qh, L::splat8(0x30))),
+                            L::or(
+                                L::and(L::shr16(qb, 4), nibble),
+                                L::shr16(L::and(qh, L::splat8(0xC0u8 as i8)), 2),
                             ),
-                        ),
-                    ];
-                    for (c, &q) in six.iter().enumerate() {
-                        let v = 128 * n + 32 * c + 4 * l;
-                        let yv = _mm512_set1_epi32((y.add(v) as *const i32).read_unaligned());
-                        let p16 = _mm512_sub_epi16(
-                            _mm512_maddubs_epi16(q, yv),
-                            _mm512_set1_epi32(offsets[v / 4]),
-                        );
-                        let scale = scales[8 * n + 2 * c + l / 4];
-                        *s = _mm512_add_epi32(*s, _mm512_madd_epi16(p16, scale));
+                        ];
+                        for (c, &q) in six.iter().enumerate() {
+                            let v = 128 * n + 32 * c + 4 * l;
+                            let yv = L::splat32((y.add(v) as *const i32).read_unaligned());
+                            let p16 = L::sub16(L::maddubs(q, yv), L::splat32(offsets[v / 4]));
+                            let scale = scales[8 * n + 2 * c + l / 4];
+                            sum = L::add32(sum, L::madd(p16, scale));
+                        }
                     }
+                    *a = L::fmadd(d, L::to_f32(sum), *a);
                 }
             }
-            for (a, s) in acc.iter_mut().zip(sumi) {
-                *a = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), *a);
-            }
         }
-        let h: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(acc[i + 4], acc[i]));
-        let sums = _mm512_add_ps(_mm512_add_ps(h[0], h[2]), _mm512_add_ps(h[1], h[3]));
-        _mm512_storeu_ps(out.as_mut_ptr(), sums);
+        for (part, acc) in acc.iter().enumerate().take(parts) {
+            let h: [L::F; 4] = std::array::from_fn(|i| L::add_f(acc[i + 4], acc[i]));
+            let sums = L::add_f(L::add_f(h[0], h[2]), L::add_f(h[1], h[3]));
+            L::store(out.as_mut_ptr().add(part * L::ROWS), sums);
+        }
     }
 }

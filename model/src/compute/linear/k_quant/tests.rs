@@ -135,10 +135,20 @@ fn repacking_stacks_rows_exactly() {
     let a = Q4KMatrix::from_qtensor(&q).unwrap().unwrap();
     let b = Q4KMatrix::from_bytes(&quantized(GgmlDType::Q4K, 5, 512, 8), 5, 512).unwrap();
     crate::compute::linear::assert_repacks_and_stacks((&q, &a), &b, Q4KMatrix::matmul);
+    // Parts of whole groups: their bytes are copied as they are.
+    let q = QTensor::quantize(&test_matrix(32, 512, 11), GgmlDType::Q4K).unwrap();
+    let a = Q4KMatrix::from_qtensor(&q).unwrap().unwrap();
+    crate::compute::linear::assert_repacks_and_stacks((&q, &a), &b, Q4KMatrix::matmul);
     let q = QTensor::quantize(&test_matrix(37, 256, 9), GgmlDType::Q6K).unwrap();
     let a = Q6KMatrix::from_qtensor(&q).unwrap().unwrap();
     let b = Q6KMatrix::from_bytes(&quantized(GgmlDType::Q6K, 5, 256, 10), 5, 256).unwrap();
     crate::compute::linear::assert_repacks_and_stacks((&q, &a), &b, Q6KMatrix::matmul);
+    let q = QTensor::quantize(&test_matrix(16, 256, 12), GgmlDType::Q6K).unwrap();
+    let a = Q6KMatrix::from_qtensor(&q).unwrap().unwrap();
+    crate::compute::linear::assert_repacks_and_stacks((&q, &a), &b, Q6KMatrix::matmul);
+    // Different widths are refused.
+    let wide = Q6KMatrix::from_bytes(&quantized(GgmlDType::Q6K, 16, 512, 13), 16, 512).unwrap();
+    assert!(Q6KMatrix::concat_rows(&[&a, &wide]).is_err());
 }
 
 #[test]
