@@ -23,6 +23,7 @@ const fn layout(fifth: bool) -> BlockLayout {
         halves: &[0, 2],
         words_at: 4,
         words: SCALE_WORDS + qh_words + 32,
+        order: &[],
     }
 }
 const SCALE_WORDS: usize = 3;

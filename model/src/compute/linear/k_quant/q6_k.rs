@@ -17,10 +17,39 @@ const LAYOUT: BlockLayout = BlockLayout {
     halves: &[208],
     words_at: 0,
     words: 52,
+    order: &ORDER,
 };
-/// The group's words: 32 of `ql`, 16 of `qh`, then 4 of scales.
-const QH_WORDS: usize = 32;
-const SCALE_WORDS: usize = 48;
+
+/// The group's words in the order the kernels read them: the four of scales (the block's last), then for each
+/// lane `l` and half `n` the `ql` words of chunks 0 and 1 and the `qh` word (block words `16n + l`, `16n + 8 + l`,
+/// `32 + 8n + l`).
+const ORDER: [u8; 52] = {
+    let mut order = [0u8; 52];
+    let mut s = 0;
+    while s < 4 {
+        order[s] = 48 + s as u8;
+        s += 1;
+    }
+    let mut l = 0;
+    while l < 8 {
+        let mut n = 0;
+        while n < 2 {
+            let at = lane_words(n, l);
+            order[at] = (16 * n + l) as u8;
+            order[at + 1] = (16 * n + 8 + l) as u8;
+            order[at + 2] = (32 + 8 * n + l) as u8;
+            n += 1;
+        }
+        l += 1;
+    }
+    order
+};
+const SCALE_WORDS: usize = 0;
+
+/// The group's first word for lane `l` of half `n`: its `ql` words of chunks 0 and 1, then its `qh` word.
+const fn lane_words(n: usize, l: usize) -> usize {
+    4 + 6 * l + 3 * n
+}
 
 /// The 6-bit value of chunk `c` (32 values: `128n + 32c..`) from its `ql` and `qh` bytes.
 fn six_bits(ql: u8, qh: u8, c: usize) -> u8 {
@@ -28,9 +57,14 @@ fn six_bits(ql: u8, qh: u8, c: usize) -> u8 {
     low | (((qh >> (2 * c)) & 3) << 4)
 }
 
-/// Where chunk `c` of half `n` finds the `ql` bytes of its values `4l..4l + 4`: word `16n + 8 (c % 2) + l`.
+/// Where chunk `c` of half `n` finds the `ql` bytes of its values `4l..4l + 4`.
 fn ql_word(n: usize, c: usize, l: usize) -> usize {
-    16 * n + 8 * (c % 2) + l
+    lane_words(n, l) + c % 2
+}
+
+/// Where half `n` finds the `qh` bytes of its values `4l..4l + 4`.
+fn qh_word(n: usize, l: usize) -> usize {
+    lane_words(n, l) + 2
 }
 
 impl KFormat for Q6K {
@@ -89,11 +123,8 @@ fn group_scalar(group: &[u8], xs: &[Q8KRow<'_>], out: &mut [[f32; GROUP_ROWS]]) 
                             let sub = 8 * n + 2 * c + l / 4;
                             let scale = byte(SCALE_WORDS + sub / 4, sub % 4) as i8 as i32;
                             for t in 0..4 {
-                                let q = six_bits(
-                                    byte(ql_word(n, c, l), t),
-                                    byte(QH_WORDS + 8 * n + l, t),
-                                    c,
-                                );
+                                let q =
+                                    six_bits(byte(ql_word(n, c, l), t), byte(qh_word(n, l), t), c);
                                 let y = x.qs[b][128 * n + 32 * c + 4 * l + t] as i32;
                                 *s += scale * (q as i32 - 32) * y;
                             }
@@ -114,7 +145,7 @@ fn group_scalar(group: &[u8], xs: &[Q8KRow<'_>], out: &mut [[f32; GROUP_ROWS]]) 
 #[cfg(target_arch = "x86_64")]
 mod vector {
     use super::super::lanes::{Lanes, L16, L8};
-    use super::{ql_word, Q8KRow, GROUP_ROWS, LAYOUT, QH_WORDS, SCALE_WORDS};
+    use super::{qh_word, ql_word, Q8KRow, GROUP_ROWS, LAYOUT, SCALE_WORDS};
 
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     pub unsafe fn group_dots_16(group: &[u8], xs: &[Q8KRow<'_>], out: &mut [[f32; GROUP_ROWS]]) {
@@ -159,7 +190,7 @@ mod vector {
                 for (l, a) in acc.iter_mut().enumerate() {
                     let mut sum = L::zero();
                     for n in 0..2 {
-                        let qh = load(QH_WORDS + 8 * n + l);
+                        let qh = load(qh_word(n, l));
                         let (qa, qb) = (load(ql_word(n, 0, l)), load(ql_word(n, 1, l)));
                         let six = [
                             L::or(L::and(qa, nibble), L::shl16(L::and(qh, L::splat8(0x03)), 4)),
