@@ -268,6 +268,8 @@ fn synthetic_k_quant_spans_match_quantized_llama(
         max_position: 1024,
         family: SyntheticFamily::Llama,
         sliding_window: None,
+        head_size: None,
+        experts: None,
     };
     let dir = tempfile::tempdir().unwrap();
     let tokenizer = GgufTokenizer::from_gguf(&smollm_gguf()).unwrap();

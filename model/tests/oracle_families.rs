@@ -9,7 +9,9 @@ mod common;
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
-use candle_transformers::models::{gemma2, gemma3, mistral, mixtral, phi3, qwen2, qwen3};
+use candle_transformers::models::{
+    gemma2, gemma3, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe,
+};
 use common::*;
 use petal_model::synthetic::{write_model, SyntheticFamily, SyntheticShape, WeightDType, MINI};
 use petal_model::ModelSource;
@@ -99,6 +101,17 @@ fn qwen3_qk_norms_match_candle_qwen3() {
     check(SHAPE.with_family(SyntheticFamily::Qwen3), |_, json, vb| {
         recomputing!(qwen3::ModelForCausalLM::new(&config(json), vb.clone()).unwrap())
     });
+}
+
+/// Eight experts of half the dense width, two per token, their weights renormalised, after Qwen3's q/k norms.
+#[test]
+fn qwen3_moe_experts_match_candle_qwen3_moe() {
+    check(
+        SHAPE.with_family(SyntheticFamily::Qwen3Moe),
+        |_, json, vb| {
+            recomputing!(qwen3_moe::ModelForCausalLM::new(&config(json), vb.clone()).unwrap())
+        },
+    );
 }
 
 /// A window of 5 positions, shorter than the 8-token prompt, over a 72-token context: the prompt's mask and every
@@ -220,13 +233,70 @@ fn windowed_long_prefill_equals_stepwise() {
     assert!(diff < TOLERANCE, "one step vs pieces: {diff}");
 }
 
+/// How a GGUF file holds a mixture's experts.
+#[derive(Clone, Copy)]
+enum Experts {
+    /// One 3-D `ffn_{gate,up,down}_exps` tensor per matrix, as llama.cpp's converter writes them today.
+    Stacked,
+    /// `ffn_gate.{e}.weight` per expert, as older Mixtral conversions did (and candle's quantized Llama reads).
+    PerExpert,
+}
+
+/// The GGUF architecture llama.cpp's converter names a HF family by.
+fn gguf_arch(family: SyntheticFamily) -> &'static str {
+    match family {
+        SyntheticFamily::Mixtral => "llama",
+        SyntheticFamily::Qwen3Moe => "qwen3moe",
+        f => f.name().trim_end_matches("_text"),
+    }
+}
+
 /// The synthetic model of `family` converted to GGUF the way llama.cpp's converter lays it out (its tensor names
-/// and metadata keys; Gemma's norms stored with their 1 added), matrices in Q8_0, vectors in f32.
+/// and metadata keys; Gemma's norms stored with their 1 added), matrices in `matrices`, vectors and routers in
+/// f32, experts stacked.
 fn write_gguf(hf: &Path, family: SyntheticFamily, matrices: GgmlDType, out: &Path) {
+    write_gguf_with(hf, family, matrices, Experts::Stacked, out)
+}
+
+fn write_gguf_with(
+    hf: &Path,
+    family: SyntheticFamily,
+    matrices: GgmlDType,
+    experts: Experts,
+    out: &Path,
+) {
     use candle_core::quantized::{gguf_file, QTensor};
-    let arch = family.name().trim_end_matches("_text");
-    let st = candle_core::safetensors::load(hf.join("model.safetensors"), &Device::Cpu).unwrap();
+    let arch = gguf_arch(family);
+    let mut st =
+        candle_core::safetensors::load(hf.join("model.safetensors"), &Device::Cpu).unwrap();
     let gemma = arch.starts_with("gemma");
+    // Experts, by (block, GGUF matrix name), in expert order.
+    let mut expert_mats: std::collections::BTreeMap<(usize, &str), Vec<(usize, Tensor)>> =
+        Default::default();
+    st.retain(|name, t| {
+        let Some(rest) = name.strip_prefix("model.layers.") else {
+            return true;
+        };
+        let (block, leaf) = rest.split_once('.').unwrap();
+        let Some(leaf) = leaf
+            .strip_prefix("block_sparse_moe.experts.")
+            .or_else(|| leaf.strip_prefix("mlp.experts."))
+        else {
+            return true;
+        };
+        let (e, w) = leaf.split_once('.').unwrap();
+        let matrix = match w {
+            "w1.weight" | "gate_proj.weight" => "gate",
+            "w3.weight" | "up_proj.weight" => "up",
+            "w2.weight" | "down_proj.weight" => "down",
+            other => panic!("no GGUF name for expert matrix {other}"),
+        };
+        expert_mats
+            .entry((block.parse().unwrap(), matrix))
+            .or_default()
+            .push((e.parse().unwrap(), t.clone()));
+        false
+    });
     let rename = |name: &str| -> String {
         let leaf = |l: &str| -> &str {
             match l {
@@ -248,6 +318,7 @@ fn write_gguf(hf: &Path, family: SyntheticFamily, matrices: GgmlDType, out: &Pat
                 "mlp.gate_proj.weight" => "ffn_gate.weight",
                 "mlp.up_proj.weight" | "mlp.gate_up_proj.weight" => "ffn_up.weight",
                 "mlp.down_proj.weight" => "ffn_down.weight",
+                "block_sparse_moe.gate.weight" | "mlp.gate.weight" => "ffn_gate_inp.weight",
                 other => panic!("no GGUF name for {other}"),
             }
         };
@@ -270,14 +341,35 @@ fn write_gguf(hf: &Path, family: SyntheticFamily, matrices: GgmlDType, out: &Pat
             } else {
                 t.clone()
             };
-            let dtype = if t.rank() == 2 {
+            let name = rename(name);
+            // llama.cpp keeps expert routers in f32.
+            let dtype = if t.rank() == 2 && !name.ends_with("ffn_gate_inp.weight") {
                 matrices
             } else {
                 GgmlDType::F32
             };
-            (rename(name), QTensor::quantize(&t, dtype).unwrap())
+            (name, QTensor::quantize(&t, dtype).unwrap())
         })
         .collect();
+    for ((block, matrix), mut mats) in expert_mats {
+        mats.sort_by_key(|(e, _)| *e);
+        match experts {
+            Experts::Stacked => {
+                let all: Vec<Tensor> = mats.into_iter().map(|(_, t)| t).collect();
+                let stacked = Tensor::stack(&all, 0).unwrap();
+                tensors.push((
+                    format!("blk.{block}.ffn_{matrix}_exps.weight"),
+                    QTensor::quantize(&stacked, matrices).unwrap(),
+                ));
+            }
+            Experts::PerExpert => tensors.extend(mats.into_iter().map(|(e, t)| {
+                (
+                    format!("blk.{block}.ffn_{matrix}.{e}.weight"),
+                    QTensor::quantize(&t, matrices).unwrap(),
+                )
+            })),
+        }
+    }
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let s = SHAPE;
     let hd = s.hidden_size / s.num_heads;
@@ -305,6 +397,15 @@ fn write_gguf(hf: &Path, family: SyntheticFamily, matrices: GgmlDType, out: &Pat
             gguf_file::Value::F32(1e-5),
         ),
     ];
+    if let Some(ex) = SHAPE.with_family(family).experts {
+        md.extend([
+            (k("expert_count"), u(ex.count)),
+            (k("expert_used_count"), u(ex.per_token)),
+        ]);
+        if family == SyntheticFamily::Qwen3Moe {
+            md.push((k("expert_feed_forward_length"), u(ex.size)));
+        }
+    }
     if arch == "gemma2" {
         md.extend([
             (k("attention.sliding_window"), u(s.max_position)),
@@ -330,6 +431,14 @@ fn check_gguf(
     family: SyntheticFamily,
     reference: impl FnOnce(&Path) -> Box<dyn FnMut(&Tensor) -> Tensor>,
 ) {
+    check_gguf_with(family, Experts::Stacked, reference)
+}
+
+fn check_gguf_with(
+    family: SyntheticFamily,
+    experts: Experts,
+    reference: impl FnOnce(&Path) -> Box<dyn FnMut(&Tensor) -> Tensor>,
+) {
     let dir = tempfile::tempdir().unwrap();
     write_model(
         dir.path(),
@@ -339,7 +448,7 @@ fn check_gguf(
     )
     .unwrap();
     let gguf = dir.path().join("model-q8_0.gguf");
-    write_gguf(dir.path(), family, GgmlDType::Q8_0, &gguf);
+    write_gguf_with(dir.path(), family, GgmlDType::Q8_0, experts, &gguf);
     let source = ModelSource::open(&gguf).unwrap();
     let mut ours = Composed::new(&source, &[(0, 2), (2, 4), (4, 6)]);
     let mut forward = reference(&gguf);
@@ -378,6 +487,71 @@ fn qwen3_gguf_matches_candle_quantized_qwen3() {
         let (content, mut file) = gguf_content(path);
         recomputing!(q::ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap())
     });
+}
+
+/// candle's quantized Llama reads Mixtral's experts one tensor each (the older layout); the same Q8_0 bytes
+/// stacked the way llama.cpp writes them today give the same tokens, each expert's slab read on its own.
+fn check_mixtral_gguf(experts: Experts) {
+    use candle_transformers::models::quantized_llama as q;
+    check_gguf_with(SyntheticFamily::Mixtral, experts, |path| {
+        let per_expert = path.with_file_name("per-expert.gguf");
+        write_gguf_with(
+            path.parent().unwrap(),
+            SyntheticFamily::Mixtral,
+            GgmlDType::Q8_0,
+            Experts::PerExpert,
+            &per_expert,
+        );
+        let (content, mut file) = gguf_content(&per_expert);
+        let mut m = q::ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
+        Box::new(move |x| m.forward(x, 0).unwrap())
+    });
+}
+
+#[test]
+fn mixtral_gguf_stacked_experts_match_candle_quantized_llama() {
+    check_mixtral_gguf(Experts::Stacked);
+}
+
+#[test]
+fn mixtral_gguf_per_expert_tensors_match_candle_quantized_llama() {
+    check_mixtral_gguf(Experts::PerExpert);
+}
+
+/// A `qwen3moe` GGUF in f32 against candle's HF Qwen3-MoE on the same weights (candle's quantized Qwen3-MoE runs
+/// on CUDA only): the stacked experts, their own width from `expert_feed_forward_length`, the router and the
+/// renormalised top-k all have to be read right.
+#[test]
+fn qwen3moe_gguf_matches_candle_qwen3_moe() {
+    let family = SyntheticFamily::Qwen3Moe;
+    let dir = tempfile::tempdir().unwrap();
+    write_model(
+        dir.path(),
+        &SHAPE.with_family(family),
+        WeightDType::F32,
+        SEED,
+    )
+    .unwrap();
+    let gguf = dir.path().join("model-f32.gguf");
+    write_gguf(dir.path(), family, GgmlDType::F32, &gguf);
+    let source = ModelSource::open(&gguf).unwrap();
+    assert_eq!(source.spec().architecture, "qwen3moe");
+    assert_eq!(source.spec().options.moe.as_ref().unwrap().expert_size, 64);
+    let mut ours = Composed::new(&source, &[(0, 3), (3, 6)]);
+    let (json, vb) = hf_files(dir.path());
+    let mut m = qwen3_moe::ModelForCausalLM::new(&config(&json), vb).unwrap();
+    let dev = Device::Cpu;
+    let mut all: Vec<u32> = vec![];
+    let oracle = |ids: &[u32], _pos: usize| {
+        all.extend_from_slice(ids);
+        let x = Tensor::new(all.as_slice(), &dev)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        m.clear_kv_cache();
+        m.forward(&x, 0).unwrap().flatten_all().unwrap()
+    };
+    compare(&mut ours, oracle, &PROMPT);
 }
 
 #[test]

@@ -3,10 +3,14 @@
 //! through them must equal the whole model run in this process (itself checked against candle-transformers'
 //! models in model/tests/oracle_families.rs).
 use petal_client::{ChainConfig, Generator, SwarmClient, VerifyPolicy};
-use petal_model::synthetic::{write_model, SyntheticFamily, SyntheticShape, WeightDType, MINI};
+use petal_model::synthetic::{
+    write_gguf, write_model, GgufFormat, GgufTokenizer, SyntheticFamily, SyntheticShape,
+    WeightDType, MINI,
+};
 use petal_model::text::decoding::GenerationConfig;
 use petal_model::{BlockRange, ModelSource, Placement};
 use petal_tests::*;
+use std::path::Path;
 use std::time::Duration;
 
 const SHAPE: SyntheticShape = MINI;
@@ -19,10 +23,20 @@ fn three_nodes_match_local(family: SyntheticFamily, window: Option<usize>) {
     let mut shape = SHAPE.with_family(family);
     shape.sliding_window = window;
     write_model(dir.path(), &shape, WeightDType::F32, SEED).expect("write the model");
-    let model = dir.path();
+    swarm_matches_local(
+        &format!("{family:?}"),
+        dir.path(),
+        &["0..2", "2..4", "4..6"],
+    );
+}
+
+/// `NEW_TOKENS` greedy tokens of the model at `model` through one node per span of `spans` (in order, covering
+/// the model) equal the whole model run in this process.
+fn swarm_matches_local(label: &str, model: &Path, spans: &[&str]) {
     let mut source = ModelSource::open(model).expect("open the model");
     source.set_hash_cache(None);
     let model_id = source.model_id().expect("model id");
+    let blocks = source.spec().num_blocks;
     let prompt: Vec<u32> = vec![1, 17, 42, 99, 5, 200, 3, 77, 8, 9, 10, 11];
     let config = GenerationConfig {
         max_new_tokens: NEW_TOKENS,
@@ -38,15 +52,15 @@ fn three_nodes_match_local(family: SyntheticFamily, window: Option<usize>) {
         })
         .expect("local generation");
 
-    let swarm = Swarm::builder()
-        .node(model, "0..2")
-        .node(model, "2..4")
-        .node(model, "4..6")
-        .start();
+    let mut builder = Swarm::builder();
+    for span in spans {
+        builder = builder.node(model, span);
+    }
+    let swarm = builder.start();
     for node in &swarm.nodes {
         assert_eq!(
             node.model_id, model_id,
-            "{family:?}: {} serves other weights",
+            "{label}: {} serves other weights",
             node.spec.name
         );
     }
@@ -54,10 +68,10 @@ fn three_nodes_match_local(family: SyntheticFamily, window: Option<usize>) {
         let bootstrap = swarm.bootstrap_addr.parse().expect("bootstrap address");
         let client = SwarmClient::connect(vec![bootstrap]).await.expect("client");
         let hops = client
-            .plan(&model_id, BlockRange::new(0, SHAPE.num_blocks), TIMEOUT)
+            .plan(&model_id, BlockRange::new(0, blocks), TIMEOUT)
             .await
             .expect("plan");
-        assert_eq!(hops.len(), 3, "{family:?}: one hop per node");
+        assert_eq!(hops.len(), spans.len(), "{label}: one hop per node");
         let chain = ChainConfig {
             verify: VerifyPolicy::Off,
             ..ChainConfig::default()
@@ -70,25 +84,21 @@ fn three_nodes_match_local(family: SyntheticFamily, window: Option<usize>) {
         client.shutdown().await;
         out
     });
-    let remote = remote.unwrap_or_else(|e| {
-        panic!(
-            "{family:?}: swarm generation failed: {e}\n{}",
-            swarm.report()
-        )
-    });
+    let remote = remote
+        .unwrap_or_else(|e| panic!("{label}: swarm generation failed: {e}\n{}", swarm.report()));
     eprintln!(
-        "{family:?}: {:?} via {:?}",
+        "{label}: {:?} via {:?}",
         remote.output.tokens, remote.cost.route
     );
-    assert_eq!(local.output.tokens.len(), NEW_TOKENS, "{family:?}");
+    assert_eq!(local.output.tokens.len(), NEW_TOKENS, "{label}");
     assert_eq!(
         remote.output.tokens, local.output.tokens,
-        "{family:?}: the swarm's tokens differ from the local run's"
+        "{label}: the swarm's tokens differ from the local run's"
     );
     assert_eq!(
         remote.cost.route.len(),
-        3,
-        "{family:?}: route {:?}",
+        spans.len(),
+        "{label}: route {:?}",
         remote.cost.route
     );
 }
@@ -112,6 +122,23 @@ fn mistral_three_nodes_match_local() {
 #[test]
 fn mixtral_three_nodes_match_local() {
     three_nodes_match_local(SyntheticFamily::Mixtral, None);
+}
+
+#[test]
+fn qwen3_moe_three_nodes_match_local() {
+    three_nodes_match_local(SyntheticFamily::Qwen3Moe, None);
+}
+
+/// A Qwen3-MoE GGUF in Q4_K_M (16 experts of 256, four per token, stacked as llama.cpp writes them) split over
+/// two nodes: each reads only its blocks' expert slabs.
+#[test]
+fn qwen3moe_gguf_two_nodes_match_local() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let shape = SyntheticShape::named("moe-tiny").expect("the moe-tiny shape");
+    let tokenizer = GgufTokenizer::from_gguf(&smollm_gguf()).expect("SmolLM2's tokenizer");
+    let path = dir.path().join("moe-tiny-q4_k_m.gguf");
+    write_gguf(&path, &shape, GgufFormat::Q4KM, &tokenizer, SEED).expect("write the GGUF");
+    swarm_matches_local("qwen3moe GGUF", &path, &["0..3", "3..6"]);
 }
 
 #[test]

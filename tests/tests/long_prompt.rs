@@ -26,6 +26,8 @@ const SHAPE: SyntheticShape = SyntheticShape {
     max_position: 8192,
     family: SyntheticFamily::Llama,
     sliding_window: None,
+    head_size: None,
+    experts: None,
 };
 const SEED: u64 = 14;
 const PROMPT_TOKENS: usize = 4100;

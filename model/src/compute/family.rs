@@ -8,6 +8,7 @@
 //! | mixtral | mistral + mixture of experts                                                                    |
 //! | qwen2   | q/k/v biases; sliding window from `max_window_layers` when enabled                              |
 //! | qwen3   | q/k RMSNorm per head                                                                            |
+//! | qwen3_moe | qwen3 + mixture of experts of their own width, dense layers where the config keeps them        |
 //! | phi3    | fused q/k/v and gate/up matrices in the files                                                   |
 //! | gemma2  | GeGLU, norms around attention and MLP, 1 + w norms, scaled embeddings, soft-capping, even layers windowed |
 //! | gemma3  | gemma2 + q/k norms, every n-th layer global, own RoPE base for windowed layers, linear scaling  |
@@ -49,12 +50,26 @@ pub struct SlidingWindow {
 
 /// A sparse mixture of experts in place of the MLP: a router picks `experts_per_token` of `num_experts` SwiGLU
 /// experts per token and mixes their outputs by the router's softmax weights.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Moe {
     pub num_experts: usize,
     pub experts_per_token: usize,
-    /// Whether the chosen experts' weights are renormalised to sum to 1 (Mixtral: yes).
+    /// Whether the chosen experts' weights are renormalised to sum to 1 (Mixtral, Qwen3-MoE: yes).
     pub normalize_top_k: bool,
+    /// Width of each expert's feed-forward (Qwen3-MoE's `moe_intermediate_size`; Mixtral's experts are as wide as
+    /// its `intermediate_size`).
+    pub expert_size: usize,
+    /// Layers that keep a dense MLP of `intermediate_size` instead (Qwen3-MoE's `mlp_only_layers` and
+    /// `decoder_sparse_step`), ascending.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dense_layers: Vec<usize>,
+}
+
+impl Moe {
+    /// Whether layer `layer` routes to experts.
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        self.dense_layers.binary_search(&layer).is_err()
+    }
 }
 
 /// Every way a supported family departs from a plain Llama block. The default is Llama.

@@ -1,7 +1,7 @@
 //! Opening a model from disk: detect the format, read its description, and hand out spans and heads that read only
 //! their own tensors.
 use crate::compute::block_range::BlockRange;
-use crate::compute::family::{Activation, FamilyOptions, SlidingWindow};
+use crate::compute::family::{Activation, FamilyOptions, Moe, SlidingWindow};
 use crate::compute::hash_cache::HashCache;
 use crate::compute::head::Head;
 use crate::compute::placement::Placement;
@@ -314,7 +314,7 @@ impl ModelSource {
             Some(tensors) => tensors.iter().map(|t| t.loaded_bytes(dtype)).sum(),
             None => {
                 let norms = 2 * self.spec.hidden_size as u64;
-                (self.spec.block_parameters() + norms) * dtype.size_in_bytes() as u64
+                (self.spec.block_parameters(block) + norms) * dtype.size_in_bytes() as u64
             }
         }
     }
@@ -389,7 +389,7 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
         .unwrap_or_default();
     if !matches!(
         arch.as_str(),
-        "llama" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3"
+        "llama" | "qwen2" | "qwen3" | "qwen3moe" | "phi3" | "gemma2" | "gemma3"
     ) {
         return Err(ModelError::UnknownArchitecture(arch));
     }
@@ -402,13 +402,13 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
     };
     let f32_opt = |key: &str| get(key).and_then(|v| v.to_f32().ok());
     let f32_or = |key: &str, default: f32| f32_opt(key).unwrap_or(default);
-    if need_u32("expert_count").is_ok_and(|n| n > 0) {
-        return Err(ModelError::Config(
-            "mixture-of-experts GGUF files are not supported (their experts are stacked in one tensor); \
-             serve the Hugging Face checkpoint"
-                .into(),
-        ));
-    }
+    let blocks = need_u32("block_count")?;
+    let moe = gguf_moe(
+        &arch,
+        &need_u32,
+        |b| w.has_tensor(&format!("blk.{b}.ffn_gate_inp.weight")),
+        blocks,
+    )?;
     let hidden = need_u32("embedding_length")?;
     let heads = need_u32("attention.head_count")?;
     let head_dim = need_u32("attention.key_length")
@@ -426,7 +426,6 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
             })
         }
     };
-    let blocks = need_u32("block_count")?;
     let gemma = arch.starts_with("gemma");
     let window = need_u32("attention.sliding_window").ok().filter(|&w| w > 0);
     // Which layers llama.cpp windows: Gemma 2 the even ones, Gemma 3 five in six, Phi-3 all when set.
@@ -469,14 +468,16 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
             _ => None,
         },
         fused_projections: arch == "phi3",
-        moe: None,
+        moe,
     };
     let token_id = |key: &str| md.get(key).and_then(|v: &Value| v.to_u32().ok());
     let spec = ModelSpec {
         name: name.to_string(),
         num_blocks: blocks,
         hidden_size: hidden,
-        intermediate_size: need_u32("feed_forward_length")?,
+        // Qwen3-MoE files may leave out the dense width: no layer of theirs has one.
+        intermediate_size: need_u32("feed_forward_length")
+            .or_else(|e| options.moe.as_ref().map(|m| m.expert_size).ok_or(e))?,
         num_heads: heads,
         num_kv_heads: need_u32("attention.head_count_kv").unwrap_or(heads),
         head_dim,
@@ -501,6 +502,37 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
     };
     spec.validate()?;
     Ok(spec)
+}
+
+/// The mixture of experts a GGUF file's metadata describes, if any: Mixtral is written as `llama` with an
+/// expert count, Qwen3-MoE as `qwen3moe`. llama.cpp renormalises the chosen experts' weights in both (its
+/// `qwen3moe` graph always does, whatever the HF config said). A layer without a router keeps a dense MLP.
+fn gguf_moe(
+    arch: &str,
+    need_u32: &dyn Fn(&str) -> Result<usize>,
+    has_router: impl Fn(usize) -> bool,
+    blocks: usize,
+) -> Result<Option<Moe>> {
+    let experts = need_u32("expert_count").unwrap_or(0);
+    if experts == 0 {
+        if arch == "qwen3moe" {
+            return Err(ModelError::Config(
+                "GGUF metadata lacks qwen3moe.expert_count".into(),
+            ));
+        }
+        return Ok(None);
+    }
+    let expert_size = match arch {
+        "qwen3moe" => need_u32("expert_feed_forward_length")?,
+        _ => need_u32("feed_forward_length")?,
+    };
+    Ok(Some(Moe {
+        num_experts: experts,
+        experts_per_token: need_u32("expert_used_count")?,
+        normalize_top_k: true,
+        expert_size,
+        dense_layers: (0..blocks).filter(|&b| !has_router(b)).collect(),
+    }))
 }
 
 #[cfg(test)]

@@ -103,6 +103,15 @@ impl ModelSpec {
                     m.experts_per_token, m.num_experts
                 ));
             }
+            if m.expert_size == 0 {
+                return bad("experts' intermediate size must be positive".into());
+            }
+            if let Some(&l) = m.dense_layers.iter().find(|&&l| l >= self.num_blocks) {
+                return bad(format!(
+                    "dense layer {l} is outside the model's {} layers",
+                    self.num_blocks
+                ));
+            }
         }
         for (what, v) in [
             ("query_pre_attn_scalar", o.query_pre_attn_scalar),
@@ -128,18 +137,19 @@ impl ModelSpec {
         self.num_kv_heads * self.head_dim
     }
 
-    /// Weights of one block's matrices (norms and biases are negligible): attention, and the MLP once per expert
-    /// plus the router in a mixture of experts.
-    pub fn block_parameters(&self) -> u64 {
+    /// Weights of block `block`'s matrices (norms and biases are negligible): attention, and the MLP, or in a
+    /// sparse layer of a mixture of experts every expert's plus the router.
+    pub fn block_parameters(&self, block: usize) -> u64 {
         let (h, q, kv) = (
             self.hidden_size as u64,
             (self.num_heads * self.head_dim) as u64,
             self.kv_dim() as u64,
         );
-        let mlp = 3 * h * self.intermediate_size as u64;
         let ffn = match &self.options.moe {
-            Some(m) => m.num_experts as u64 * (mlp + h),
-            None => mlp,
+            Some(m) if m.is_sparse(block) => {
+                m.num_experts as u64 * (3 * h * m.expert_size as u64 + h)
+            }
+            _ => 3 * h * self.intermediate_size as u64,
         };
         2 * h * q + 2 * h * kv + ffn
     }
@@ -164,6 +174,7 @@ impl ModelSpec {
             "mixtral" | "MixtralForCausalLM" => "mixtral",
             "qwen2" | "Qwen2ForCausalLM" => "qwen2",
             "qwen3" | "Qwen3ForCausalLM" => "qwen3",
+            "qwen3_moe" | "Qwen3MoeForCausalLM" => "qwen3_moe",
             "phi3" | "Phi3ForCausalLM" => "phi3",
             "gemma2" | "Gemma2ForCausalLM" => "gemma2",
             "gemma3_text" | "Gemma3ForCausalLM" => "gemma3",
@@ -229,7 +240,7 @@ impl ModelSpec {
         let windowed: Vec<usize> = match family {
             _ if listed.is_some() => listed.unwrap_or_default(),
             "mistral" | "mixtral" | "phi3" => (0..layers).collect(),
-            "qwen2" | "qwen3" if c.use_sliding_window.unwrap_or(false) => {
+            "qwen2" | "qwen3" | "qwen3_moe" if c.use_sliding_window.unwrap_or(false) => {
                 (c.max_window_layers.unwrap_or(0)..layers).collect()
             }
             "gemma2" => (0..layers).filter(|i| i % 2 == 0).collect(),
@@ -249,7 +260,7 @@ impl ModelSpec {
         let gemma = family.starts_with("gemma");
         let options = FamilyOptions {
             qkv_bias: family == "qwen2" || c.attention_bias.unwrap_or(false),
-            qk_norm: family == "qwen3" || family == "gemma3",
+            qk_norm: matches!(family, "qwen3" | "qwen3_moe" | "gemma3"),
             norm_plus_one: gemma,
             activation,
             sandwich_norms: gemma,
@@ -266,7 +277,24 @@ impl ModelSpec {
                     num_experts: c.num_local_experts.unwrap_or(8),
                     experts_per_token: c.num_experts_per_tok.unwrap_or(2),
                     normalize_top_k: true,
+                    expert_size: c.intermediate_size,
+                    dense_layers: vec![],
                 }),
+                "qwen3_moe" => {
+                    // HF: a layer is sparse unless listed in `mlp_only_layers`, and then only every
+                    // `decoder_sparse_step`-th one (counting from 1).
+                    let step = c.decoder_sparse_step.unwrap_or(1).max(1);
+                    let listed = c.mlp_only_layers.clone().unwrap_or_default();
+                    Some(Moe {
+                        num_experts: c.num_experts.unwrap_or(128),
+                        experts_per_token: c.num_experts_per_tok.unwrap_or(8),
+                        normalize_top_k: c.norm_topk_prob.unwrap_or(false),
+                        expert_size: c.moe_intermediate_size.unwrap_or(c.intermediate_size),
+                        dense_layers: (0..layers)
+                            .filter(|l| listed.contains(l) || (l + 1) % step != 0)
+                            .collect(),
+                    })
+                }
                 _ => None,
             },
         };
@@ -338,7 +366,12 @@ struct HfConfig {
     rope_local_base_freq: Option<f32>,
     partial_rotary_factor: Option<f64>,
     num_local_experts: Option<usize>,
+    num_experts: Option<usize>,
     num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    decoder_sparse_step: Option<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
 }
 
 #[derive(Deserialize)]
@@ -497,6 +530,36 @@ mod tests {
         assert!(matches!(
             ModelSpec::from_hf_config("x", &relu),
             Err(ModelError::Config(m)) if m.contains("relu")
+        ));
+    }
+
+    /// Qwen3-MoE's dense layers: every layer not a multiple of `decoder_sparse_step` (counting from 1) and every
+    /// one in `mlp_only_layers`; their MLP is `intermediate_size` wide, the experts `moe_intermediate_size`.
+    #[test]
+    fn qwen3_moe_dense_layers_and_expert_width() {
+        let json = STORIES
+            .replace(r#""model_type":"llama""#, r#""model_type":"qwen3_moe""#)
+            .replace(
+                r#""rope_scaling":null"#,
+                r#""rope_scaling":null,"num_experts":8,"num_experts_per_tok":2,"norm_topk_prob":true,
+                "moe_intermediate_size":32,"decoder_sparse_step":2,"mlp_only_layers":[3]"#,
+            );
+        let s = ModelSpec::from_hf_config("moe", &json).unwrap();
+        let m = s.options.moe.clone().unwrap();
+        assert_eq!(m.dense_layers, vec![0, 2, 3, 4]);
+        assert!(m.is_sparse(1) && !m.is_sparse(3));
+        assert_eq!(
+            (m.expert_size, m.num_experts, m.normalize_top_k),
+            (32, 8, true)
+        );
+        assert!(s.options.qk_norm);
+        let attention = 2 * 64 * 64 + 2 * 64 * 32;
+        assert_eq!(s.block_parameters(0), attention + 3 * 64 * 172);
+        assert_eq!(s.block_parameters(1), attention + 8 * (3 * 64 * 32 + 64));
+        let too_many = json.replace(r#""num_experts_per_tok":2"#, r#""num_experts_per_tok":9"#);
+        assert!(matches!(
+            ModelSpec::from_hf_config("moe", &too_many),
+            Err(ModelError::Config(m)) if m.contains("9 experts per token of 8")
         ));
     }
 }

@@ -1,5 +1,6 @@
-//! Random-weight Llama-architecture models written as GGUF files in the quantizations users download (Q4_0,
-//! Q8_0, Q4_K_M, Q5_K_M), at real scale: an 8B- or 70B-shaped file takes the bytes of the real one.
+//! Random-weight Llama- and Qwen3-MoE-architecture models written as GGUF files in the quantizations users
+//! download (Q4_0, Q8_0, Q4_K_M, Q5_K_M), at real scale: an 8B-, 70B- or 30B-A3B-shaped file takes the bytes of
+//! the real one. Experts are stacked in one 3-D tensor per matrix, as llama.cpp's converter writes them.
 //!
 //! Quantized blocks are random bytes in each format's block layout with the scales set so that every weight has a
 //! standard deviation near 0.02 (the usual init), which keeps activations finite through 80 blocks. The
@@ -149,11 +150,16 @@ pub fn write_gguf(
     tokenizer: &GgufTokenizer,
     seed: u64,
 ) -> io::Result<WrittenGguf> {
-    if shape.family != SyntheticFamily::Llama {
+    let supported = match shape.family {
+        SyntheticFamily::Llama => true,
+        SyntheticFamily::Qwen3Moe => shape.experts.is_some(),
+        _ => false,
+    };
+    if !supported {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             format!(
-                "synthetic GGUF files are Llama-architecture; {} is not",
+                "synthetic GGUF files are Llama or Qwen3-MoE (with experts); {} is not",
                 shape.family.name()
             ),
         ));
@@ -182,7 +188,9 @@ pub fn write_gguf(
         "shape": shape.name, "format": format.name(), "seed": seed,
         "tokenizer": tokenizer.source.display().to_string(), "vocab": shape.vocab_size,
         "hidden": shape.hidden_size, "blocks": shape.num_blocks, "ffn": shape.intermediate_size,
-        "heads": shape.num_heads, "kv_heads": shape.num_kv_heads,
+        "heads": shape.num_heads, "kv_heads": shape.num_kv_heads, "family": shape.family.name(),
+        "head_dim": shape.head_dim(),
+        "experts": shape.experts.map(|e| [e.count, e.per_token, e.size]),
     });
     if is_current(&marker_path, &marker, path) {
         return Ok(WrittenGguf {
@@ -222,6 +230,8 @@ struct GgufTensor {
     name: String,
     dims: Vec<usize>,
     dtype: GgmlDType,
+    /// An f32 tensor of weights (an expert router) rather than of norm values.
+    weights: bool,
 }
 
 impl GgufTensor {
@@ -241,11 +251,13 @@ fn gguf_tensors(shape: &SyntheticShape, format: GgufFormat) -> Vec<GgufTensor> {
             name,
             dims: vec![cols, rows],
             dtype: format.matrix_type(role, block.map(|i| (i, n))),
+            weights: true,
         };
     let norm = |name: String, len: usize| GgufTensor {
         name,
         dims: vec![len],
         dtype: GgmlDType::F32,
+        weights: false,
     };
     let mut t = vec![matrix(
         "token_embd.weight".into(),
@@ -263,11 +275,39 @@ fn gguf_tensors(shape: &SyntheticShape, format: GgufFormat) -> Vec<GgufTensor> {
             matrix(format!("{p}.attn_k.weight"), kv, h, Role::Plain, b),
             matrix(format!("{p}.attn_v.weight"), kv, h, Role::MoreBits, b),
             matrix(format!("{p}.attn_output.weight"), h, q, Role::Plain, b),
-            norm(format!("{p}.ffn_norm.weight"), h),
-            matrix(format!("{p}.ffn_gate.weight"), ff, h, Role::Plain, b),
-            matrix(format!("{p}.ffn_up.weight"), ff, h, Role::Plain, b),
-            matrix(format!("{p}.ffn_down.weight"), h, ff, Role::MoreBits, b),
         ]);
+        if shape.family == SyntheticFamily::Qwen3Moe {
+            t.extend([
+                norm(format!("{p}.attn_q_norm.weight"), hd),
+                norm(format!("{p}.attn_k_norm.weight"), hd),
+            ]);
+        }
+        t.push(norm(format!("{p}.ffn_norm.weight"), h));
+        match shape.experts {
+            Some(e) => {
+                // llama.cpp keeps the router in f32 and gives ffn_down_exps the bits ffn_down gets.
+                let stacked = |name: &str, rows: usize, cols: usize, role: Role| GgufTensor {
+                    dims: vec![cols, rows, e.count],
+                    ..matrix(format!("{p}.{name}"), rows, cols, role, b)
+                };
+                t.extend([
+                    GgufTensor {
+                        name: format!("{p}.ffn_gate_inp.weight"),
+                        dims: vec![h, e.count],
+                        dtype: GgmlDType::F32,
+                        weights: true,
+                    },
+                    stacked("ffn_gate_exps.weight", e.size, h, Role::Plain),
+                    stacked("ffn_up_exps.weight", e.size, h, Role::Plain),
+                    stacked("ffn_down_exps.weight", h, e.size, Role::MoreBits),
+                ]);
+            }
+            None => t.extend([
+                matrix(format!("{p}.ffn_gate.weight"), ff, h, Role::Plain, b),
+                matrix(format!("{p}.ffn_up.weight"), ff, h, Role::Plain, b),
+                matrix(format!("{p}.ffn_down.weight"), h, ff, Role::MoreBits, b),
+            ]),
+        }
     }
     t.push(norm("output_norm.weight".into(), h));
     if !shape.tie_embeddings {
@@ -299,34 +339,39 @@ fn write_header<W: Write + Seek>(
     tensors: &[GgufTensor],
 ) -> io::Result<()> {
     let u32v = |v: usize| Value::U32(v as u32);
+    let arch = match shape.family {
+        SyntheticFamily::Qwen3Moe => "qwen3moe",
+        _ => "llama",
+    };
+    let k = |key: &str| format!("{arch}.{key}");
     let mut metadata: Vec<(String, Value)> = vec![
-        ("general.architecture".into(), Value::String("llama".into())),
+        ("general.architecture".into(), Value::String(arch.into())),
         (
             "general.name".into(),
             Value::String(format!("petal-synthetic-{}", shape.name)),
         ),
         ("general.file_type".into(), Value::U32(format.file_type())),
         ("general.quantization_version".into(), Value::U32(2)),
-        ("llama.context_length".into(), u32v(shape.max_position)),
-        ("llama.embedding_length".into(), u32v(shape.hidden_size)),
-        ("llama.block_count".into(), u32v(shape.num_blocks)),
-        (
-            "llama.feed_forward_length".into(),
-            u32v(shape.intermediate_size),
-        ),
-        ("llama.rope.dimension_count".into(), u32v(shape.head_dim())),
-        ("llama.attention.head_count".into(), u32v(shape.num_heads)),
-        (
-            "llama.attention.head_count_kv".into(),
-            u32v(shape.num_kv_heads),
-        ),
-        (
-            "llama.attention.layer_norm_rms_epsilon".into(),
-            Value::F32(1e-5),
-        ),
-        ("llama.rope.freq_base".into(), Value::F32(500_000.0)),
-        ("llama.vocab_size".into(), u32v(shape.vocab_size)),
+        (k("context_length"), u32v(shape.max_position)),
+        (k("embedding_length"), u32v(shape.hidden_size)),
+        (k("block_count"), u32v(shape.num_blocks)),
+        (k("feed_forward_length"), u32v(shape.intermediate_size)),
+        (k("rope.dimension_count"), u32v(shape.head_dim())),
+        (k("attention.head_count"), u32v(shape.num_heads)),
+        (k("attention.head_count_kv"), u32v(shape.num_kv_heads)),
+        (k("attention.key_length"), u32v(shape.head_dim())),
+        (k("attention.value_length"), u32v(shape.head_dim())),
+        (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
+        (k("rope.freq_base"), Value::F32(500_000.0)),
+        (k("vocab_size"), u32v(shape.vocab_size)),
     ];
+    if let Some(e) = shape.experts {
+        metadata.extend([
+            (k("expert_count"), u32v(e.count)),
+            (k("expert_used_count"), u32v(e.per_token)),
+            (k("expert_feed_forward_length"), u32v(e.size)),
+        ]);
+    }
     metadata.extend(tokenizer.metadata.iter().cloned());
     out.write_all(b"GGUF")?;
     out.write_all(&3u32.to_le_bytes())?;
@@ -431,7 +476,11 @@ fn f16_le(v: f32) -> [u8; 2] {
 /// Writes a tensor's data: norms from the synthetic norm grid, matrices as random blocks of their type.
 fn write_tensor(out: &mut impl Write, t: &GgufTensor, rng: &mut SplitMix64) -> io::Result<()> {
     if t.dtype == GgmlDType::F32 {
-        let table = ValueTable::new(WeightDType::F32, norm_value);
+        let table = if t.weights {
+            ValueTable::new(WeightDType::F32, |k| k as f32 / 4096.0)
+        } else {
+            ValueTable::new(WeightDType::F32, norm_value)
+        };
         return table.write_random(out, t.dims.iter().product(), rng);
     }
     let block = t.dtype.type_size();

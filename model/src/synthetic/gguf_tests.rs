@@ -24,6 +24,8 @@ fn small() -> SyntheticShape {
         max_position: 1024,
         family: SyntheticFamily::Llama,
         sliding_window: None,
+        head_size: None,
+        experts: None,
     }
 }
 

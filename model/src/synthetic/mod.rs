@@ -79,21 +79,35 @@ pub enum SyntheticFamily {
     Mixtral,
     Qwen2,
     Qwen3,
+    /// Qwen3 with a mixture of experts (by default [`QWEN3_MOE_EXPERTS`] of half the dense width, two per
+    /// token), weights renormalised.
+    Qwen3Moe,
     Phi3,
     Gemma2,
     Gemma3,
 }
 
-/// Experts per block of a synthetic Mixtral.
+/// Experts per block of a synthetic Mixtral, unless its shape says otherwise.
 pub const MIXTRAL_EXPERTS: usize = 4;
+/// Experts per block of a synthetic Qwen3-MoE, unless its shape says otherwise.
+pub const QWEN3_MOE_EXPERTS: usize = 8;
+
+/// The experts of a mixture: `count` per block, `per_token` chosen for each token, each `size` wide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertShape {
+    pub count: usize,
+    pub per_token: usize,
+    pub size: usize,
+}
 
 impl SyntheticFamily {
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 9] = [
         Self::Llama,
         Self::Mistral,
         Self::Mixtral,
         Self::Qwen2,
         Self::Qwen3,
+        Self::Qwen3Moe,
         Self::Phi3,
         Self::Gemma2,
         Self::Gemma3,
@@ -107,6 +121,7 @@ impl SyntheticFamily {
             Self::Mixtral => "mixtral",
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
+            Self::Qwen3Moe => "qwen3_moe",
             Self::Phi3 => "phi3",
             Self::Gemma2 => "gemma2",
             Self::Gemma3 => "gemma3_text",
@@ -141,6 +156,10 @@ pub struct SyntheticShape {
     /// Window of the family's windowed layers (all for Mistral/Mixtral/Phi-3, every other for Gemma 2, five in six
     /// for Gemma 3, from layer 1 for Qwen); `None`: no layer is windowed (Gemma's then get `max_position`).
     pub sliding_window: Option<usize>,
+    /// Width of an attention head where it is not `hidden_size / num_heads` (Qwen3-MoE's 128 over 2048).
+    pub head_size: Option<usize>,
+    /// The mixture of experts of Mixtral and Qwen3-MoE ([`SyntheticShape::with_family`] gives them one).
+    pub experts: Option<ExpertShape>,
 }
 
 impl SyntheticShape {
@@ -153,13 +172,28 @@ impl SyntheticShape {
     }
 
     pub fn head_dim(&self) -> usize {
-        self.hidden_size / self.num_heads
+        self.head_size.unwrap_or(self.hidden_size / self.num_heads)
     }
 
     /// This shape as a model of `family` (same widths; Gemma always ties its LM head, Mistral-style models never
     /// do in candle's reference).
+    /// A mixture keeps the experts the shape names, else gets its family's default: Mixtral's are as wide as the
+    /// dense width, Qwen3-MoE's half as wide (so that the two cannot be confused).
     pub fn with_family(mut self, family: SyntheticFamily) -> Self {
         self.family = family;
+        self.experts = match family {
+            SyntheticFamily::Mixtral => self.experts.or(Some(ExpertShape {
+                count: MIXTRAL_EXPERTS,
+                per_token: 2,
+                size: self.intermediate_size,
+            })),
+            SyntheticFamily::Qwen3Moe => self.experts.or(Some(ExpertShape {
+                count: QWEN3_MOE_EXPERTS,
+                per_token: 2,
+                size: self.intermediate_size / 2,
+            })),
+            _ => None,
+        };
         match family {
             SyntheticFamily::Gemma2 | SyntheticFamily::Gemma3 => self.tie_embeddings = true,
             SyntheticFamily::Mistral | SyntheticFamily::Mixtral | SyntheticFamily::Phi3 => {
@@ -226,7 +260,7 @@ impl SyntheticShape {
                     ),
                 ]);
             }
-            if matches!(self.family, F::Qwen3 | F::Gemma3) {
+            if matches!(self.family, F::Qwen3 | F::Qwen3Moe | F::Gemma3) {
                 t.push((format!("{p}.self_attn.q_norm.weight"), vec![hd], norm));
                 t.push((format!("{p}.self_attn.k_norm.weight"), vec![hd], norm));
             }
@@ -253,14 +287,24 @@ impl SyntheticShape {
                     w(format!("{p}.mlp.gate_up_proj.weight"), vec![2 * ff, h]),
                     w(format!("{p}.mlp.down_proj.weight"), vec![h, ff]),
                 ]),
-                F::Mixtral => {
-                    let m = format!("{p}.block_sparse_moe");
-                    t.push(w(format!("{m}.gate.weight"), vec![MIXTRAL_EXPERTS, h]));
-                    for e in 0..MIXTRAL_EXPERTS {
+                F::Mixtral | F::Qwen3Moe => {
+                    let ex = self.experts.unwrap_or(ExpertShape {
+                        count: 0,
+                        per_token: 0,
+                        size: 0,
+                    });
+                    let (ef, n) = (ex.size, ex.count);
+                    let (m, [gate, up, down]) = if self.family == F::Mixtral {
+                        (format!("{p}.block_sparse_moe"), ["w1", "w3", "w2"])
+                    } else {
+                        (format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"])
+                    };
+                    t.push(w(format!("{m}.gate.weight"), vec![n, h]));
+                    for e in 0..n {
                         t.extend([
-                            w(format!("{m}.experts.{e}.w1.weight"), vec![ff, h]),
-                            w(format!("{m}.experts.{e}.w2.weight"), vec![h, ff]),
-                            w(format!("{m}.experts.{e}.w3.weight"), vec![ff, h]),
+                            w(format!("{m}.experts.{e}.{gate}.weight"), vec![ef, h]),
+                            w(format!("{m}.experts.{e}.{up}.weight"), vec![ef, h]),
+                            w(format!("{m}.experts.{e}.{down}.weight"), vec![h, ef]),
                         ]);
                     }
                 }
@@ -297,6 +341,7 @@ impl SyntheticShape {
                 F::Mixtral => "MixtralForCausalLM",
                 F::Qwen2 => "Qwen2ForCausalLM",
                 F::Qwen3 => "Qwen3ForCausalLM",
+                F::Qwen3Moe => "Qwen3MoeForCausalLM",
                 F::Phi3 => "Phi3ForCausalLM",
                 F::Gemma2 => "Gemma2ForCausalLM",
                 F::Gemma3 => "Gemma3ForCausalLM",
@@ -323,14 +368,23 @@ impl SyntheticShape {
             },
         });
         let window = self.sliding_window;
+        let ex = self
+            .experts
+            .map_or((0, 0, 0), |e| (e.count, e.per_token, e.size));
         let extra = match self.family {
             F::Llama => serde_json::json!({}),
             F::Mistral | F::Phi3 => serde_json::json!({ "sliding_window": window }),
             F::Mixtral => serde_json::json!({ "sliding_window": window,
-                "num_local_experts": MIXTRAL_EXPERTS, "num_experts_per_tok": 2, "use_flash_attn": false }),
+                "num_local_experts": ex.0, "num_experts_per_tok": ex.1, "use_flash_attn": false }),
             F::Qwen2 | F::Qwen3 => serde_json::json!({
                 "sliding_window": window.unwrap_or(self.max_position),
                 "use_sliding_window": window.is_some(), "max_window_layers": 1, "attention_bias": false }),
+            F::Qwen3Moe => serde_json::json!({
+                "sliding_window": window.unwrap_or(self.max_position),
+                "use_sliding_window": window.is_some(), "max_window_layers": 1, "attention_bias": false,
+                "num_experts": ex.0, "num_experts_per_tok": ex.1, "norm_topk_prob": true,
+                "moe_intermediate_size": ex.2, "decoder_sparse_step": 1,
+                "mlp_only_layers": [] }),
             F::Gemma2 | F::Gemma3 => serde_json::json!({
                 "hidden_activation": "gelu_pytorch_tanh", "attention_bias": false,
                 "query_pre_attn_scalar": self.head_dim(),

@@ -1,5 +1,5 @@
 //! The named shapes synthetic models are written in: small ones for tests and benches, real-scale ones for GGUF.
-use super::{SyntheticFamily, SyntheticShape};
+use super::{ExpertShape, SyntheticFamily, SyntheticShape};
 
 /// The smallest shape with everything a family can vary: GQA, six blocks (so every family's window pattern has
 /// windowed and global layers), norms and a vocabulary big enough for greedy ties to be rare. The family tests use
@@ -16,6 +16,8 @@ pub const MINI: SyntheticShape = SyntheticShape {
     max_position: 512,
     family: SyntheticFamily::Llama,
     sliding_window: None,
+    head_size: None,
+    experts: None,
 };
 
 /// Named shapes: [`MINI`] and a tiny one for smoke tests, SmolLM2-135M's and llama-160m's, and a Llama-3.2-1B-like one
@@ -34,6 +36,8 @@ pub const SHAPES: &[SyntheticShape] = &[
         max_position: 2048,
         family: SyntheticFamily::Llama,
         sliding_window: None,
+        head_size: None,
+        experts: None,
     },
     SyntheticShape {
         name: "135m",
@@ -47,6 +51,8 @@ pub const SHAPES: &[SyntheticShape] = &[
         max_position: 2048,
         family: SyntheticFamily::Llama,
         sliding_window: None,
+        head_size: None,
+        experts: None,
     },
     SyntheticShape {
         name: "160m",
@@ -60,6 +66,8 @@ pub const SHAPES: &[SyntheticShape] = &[
         max_position: 2048,
         family: SyntheticFamily::Llama,
         sliding_window: None,
+        head_size: None,
+        experts: None,
     },
     SyntheticShape {
         name: "1b",
@@ -73,6 +81,8 @@ pub const SHAPES: &[SyntheticShape] = &[
         max_position: 2048,
         family: SyntheticFamily::Llama,
         sliding_window: None,
+        head_size: None,
+        experts: None,
     },
     // Real-scale shapes, for GGUF files in the formats users download ([`super::write_gguf`], which takes the
     // vocabulary of the tokenizer it copies): Llama-3-8B, a 14B (Qwen2.5-14B's widths as a Llama) and
@@ -89,6 +99,8 @@ pub const SHAPES: &[SyntheticShape] = &[
         max_position: 8192,
         family: SyntheticFamily::Llama,
         sliding_window: None,
+        head_size: None,
+        experts: None,
     },
     SyntheticShape {
         name: "14b",
@@ -102,6 +114,8 @@ pub const SHAPES: &[SyntheticShape] = &[
         max_position: 8192,
         family: SyntheticFamily::Llama,
         sliding_window: None,
+        head_size: None,
+        experts: None,
     },
     SyntheticShape {
         name: "70b",
@@ -115,5 +129,47 @@ pub const SHAPES: &[SyntheticShape] = &[
         max_position: 8192,
         family: SyntheticFamily::Llama,
         sliding_window: None,
+        head_size: None,
+        experts: None,
+    },
+    // Qwen3-30B-A3B's widths: 128 experts of 768, eight per token, heads of 128 over a 2048 stream.
+    SyntheticShape {
+        name: "30b-a3b",
+        hidden_size: 2048,
+        num_blocks: 48,
+        num_heads: 32,
+        num_kv_heads: 4,
+        intermediate_size: 6144,
+        vocab_size: 151936,
+        tie_embeddings: false,
+        max_position: 8192,
+        family: SyntheticFamily::Qwen3Moe,
+        sliding_window: None,
+        head_size: Some(128),
+        experts: Some(ExpertShape {
+            count: 128,
+            per_token: 8,
+            size: 768,
+        }),
+    },
+    // A mixture small enough for tests: 16 experts of 256, four per token.
+    SyntheticShape {
+        name: "moe-tiny",
+        hidden_size: 256,
+        num_blocks: 6,
+        num_heads: 4,
+        num_kv_heads: 2,
+        intermediate_size: 512,
+        vocab_size: 4096,
+        tie_embeddings: false,
+        max_position: 2048,
+        family: SyntheticFamily::Qwen3Moe,
+        sliding_window: None,
+        head_size: None,
+        experts: Some(ExpertShape {
+            count: 16,
+            per_token: 4,
+            size: 256,
+        }),
     },
 ];

@@ -132,23 +132,21 @@ impl Block {
         } else {
             None
         };
-        let mlp = |gate: BlockTensor, up: BlockTensor, down: BlockTensor| -> Result<Mlp> {
+        let mlp = |[gate, up, down]: [BlockTensor; 3], ff: usize| -> Result<Mlp> {
             Ok(Mlp {
                 gate_up: Stacked::new(vec![matmul(gate, ff, h)?, matmul(up, ff, h)?])?,
                 down: matmul(down, h, ff)?,
                 activation: o.activation,
             })
         };
-        let ffn = match (&o.moe, o.fused_projections) {
+        let sparse = o.moe.as_ref().filter(|m| m.is_sparse(index));
+        let ffn = match (sparse, o.fused_projections) {
             (Some(m), _) => FeedForward::Experts(MixtureOfExperts {
                 router: matmul(BlockTensor::Router, m.num_experts, h)?,
                 experts: (0..m.num_experts)
                     .map(|e| {
-                        mlp(
-                            BlockTensor::ExpertGate(e),
-                            BlockTensor::ExpertUp(e),
-                            BlockTensor::ExpertDown(e),
-                        )
+                        use BlockTensor::{ExpertDown, ExpertGate, ExpertUp};
+                        mlp([ExpertGate(e), ExpertUp(e), ExpertDown(e)], m.expert_size)
                     })
                     .collect::<Result<_>>()?,
                 experts_per_token: m.experts_per_token,
@@ -159,9 +157,10 @@ impl Block {
                 down: matmul(BlockTensor::Down, h, ff)?,
                 activation: o.activation,
             }),
-            (None, false) => {
-                FeedForward::Mlp(mlp(BlockTensor::Gate, BlockTensor::Up, BlockTensor::Down)?)
-            }
+            (None, false) => FeedForward::Mlp(mlp(
+                [BlockTensor::Gate, BlockTensor::Up, BlockTensor::Down],
+                ff,
+            )?),
         };
         let sandwich = |t: BlockTensor| -> Result<Option<RmsNorm>> {
             o.sandwich_norms.then(|| norm(t, h)).transpose()

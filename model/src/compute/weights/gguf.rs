@@ -86,6 +86,56 @@ impl GgufWeights {
         self.log.record(name, q.storage_size_in_bytes());
         Ok(Weight::Quantized(Arc::new(q)))
     }
+
+    /// Expert `expert`'s matrix of block `block`: its slab of the stacked `ffn_*_exps` tensor (`[experts, rows,
+    /// cols]`, each expert's rows back to back), read alone and kept quantized, or the legacy per-expert tensor
+    /// (`ffn_gate.{e}.weight`) that older Mixtral conversions wrote.
+    fn load_expert(
+        &self,
+        block: usize,
+        matrix: &str,
+        expert: usize,
+        device: &Device,
+    ) -> Result<Weight> {
+        let stacked = format!("blk.{block}.ffn_{matrix}_exps.weight");
+        let Some(info) = self.content.tensor_infos.get(&stacked) else {
+            return self.load(&format!("blk.{block}.ffn_{matrix}.{expert}.weight"), device);
+        };
+        let corrupt = |reason: String| ModelError::Corrupt {
+            format: "GGUF",
+            path: self.path.clone(),
+            reason: format!("tensor {stacked}: {reason}"),
+        };
+        let &[experts, rows, cols] = info.shape.dims() else {
+            return Err(corrupt(format!(
+                "stacked experts must be 3-D, not {:?}",
+                info.shape.dims()
+            )));
+        };
+        if expert >= experts {
+            return Err(ModelError::MissingTensor {
+                name: format!("{stacked} expert {expert} (the tensor holds {experts})"),
+            });
+        }
+        let (start, len) = self.data_range(info);
+        let slab = len / experts as u64;
+        let mut bytes = vec![0u8; slab as usize];
+        {
+            let mut file = self.file()?;
+            file.seek(SeekFrom::Start(start + expert as u64 * slab))
+                .and_then(|_| file.read_exact(&mut bytes))
+                .map_err(|e| ModelError::io(&self.path, e))?;
+        }
+        let q = candle_core::quantized::ggml_file::qtensor_from_ggml(
+            info.ggml_dtype,
+            &bytes,
+            vec![rows, cols],
+            device,
+        )
+        .map_err(|e| corrupt(e.to_string()))?;
+        self.log.record(&stacked, q.storage_size_in_bytes());
+        Ok(Weight::Quantized(Arc::new(q)))
+    }
 }
 
 fn gguf_block_name(block: usize, t: BlockTensor) -> String {
@@ -110,17 +160,22 @@ fn gguf_block_name(block: usize, t: BlockTensor) -> String {
         // llama.cpp keeps Phi-3's fused gate/up under the up projection's name.
         BlockTensor::GateUp => "ffn_up.weight".into(),
         BlockTensor::Router => "ffn_gate_inp.weight".into(),
-        // GGUF stacks experts into one 3-D tensor per matrix; single experts have no name of their own.
-        BlockTensor::ExpertGate(e) => format!("ffn_gate_exps.{e}"),
-        BlockTensor::ExpertUp(e) => format!("ffn_up_exps.{e}"),
-        BlockTensor::ExpertDown(e) => format!("ffn_down_exps.{e}"),
+        // Experts are read by `load_expert`: this is only their legacy, per-expert name.
+        BlockTensor::ExpertGate(e) => format!("ffn_gate.{e}.weight"),
+        BlockTensor::ExpertUp(e) => format!("ffn_up.{e}.weight"),
+        BlockTensor::ExpertDown(e) => format!("ffn_down.{e}.weight"),
     };
     format!("blk.{block}.{leaf}")
 }
 
 impl WeightSource for GgufWeights {
     fn load_block(&self, block: usize, t: BlockTensor, device: &Device) -> Result<Weight> {
-        self.load(&gguf_block_name(block, t), device)
+        match t {
+            BlockTensor::ExpertGate(e) => self.load_expert(block, "gate", e, device),
+            BlockTensor::ExpertUp(e) => self.load_expert(block, "up", e, device),
+            BlockTensor::ExpertDown(e) => self.load_expert(block, "down", e, device),
+            _ => self.load(&gguf_block_name(block, t), device),
+        }
     }
 
     fn load_head(&self, t: HeadTensor, device: &Device) -> Result<Option<Weight>> {
@@ -145,7 +200,7 @@ impl WeightSource for GgufWeights {
         // The dtype most block matmul weights use names the quantization.
         let mut counts: BTreeMap<String, usize> = BTreeMap::new();
         for (name, info) in &self.content.tensor_infos {
-            if name.starts_with("blk.") && info.shape.rank() == 2 {
+            if name.starts_with("blk.") && info.shape.rank() >= 2 {
                 *counts
                     .entry(format!("{:?}", info.ggml_dtype).to_lowercase())
                     .or_default() += 1;
