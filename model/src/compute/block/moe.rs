@@ -47,17 +47,34 @@ impl MixtureOfExperts {
                 chosen[e].1.push(w);
             }
         }
-        let mut out = Tensor::zeros((rows, hidden), x.dtype(), x.device())?;
+        let mut out: Option<Tensor> = None;
         for (expert, (rows_of, weights)) in self.experts.iter().zip(chosen) {
             if rows_of.is_empty() {
                 continue;
             }
             let n = rows_of.len();
-            let index = Tensor::from_vec(rows_of, n, x.device())?;
             let weights = Tensor::from_vec(weights, (n, 1), x.device())?.to_dtype(x.dtype())?;
+            // An expert every row chose (always so in a one-row decode step) takes the rows as they are.
+            if n == rows {
+                let y = expert.run(&x)?.broadcast_mul(&weights)?;
+                out = Some(match out {
+                    Some(o) => (o + y)?,
+                    None => y,
+                });
+                continue;
+            }
+            let index = Tensor::from_vec(rows_of, n, x.device())?;
             let y = expert.run(&x.index_select(&index, 0)?)?;
-            out = out.index_add(&index, &y.broadcast_mul(&weights)?, 0)?;
+            let o = match out {
+                Some(o) => o,
+                None => Tensor::zeros((rows, hidden), x.dtype(), x.device())?,
+            };
+            out = Some(o.index_add(&index, &y.broadcast_mul(&weights)?, 0)?);
         }
+        let out = match out {
+            Some(o) => o,
+            None => Tensor::zeros((rows, hidden), x.dtype(), x.device())?,
+        };
         Ok(out.reshape(dims)?)
     }
 }
