@@ -161,6 +161,78 @@ fn three_nodes_each_below_the_models_size_serve_it_as_the_local_run_does() {
     }
 }
 
+/// A mixture of experts no node's budget holds (Qwen3-MoE-shaped, 64 experts of 512 per block, Q4_K_M, 0.8 GB):
+/// under 900 MiB each, of which a step's workspace and receive buffers take some 590, a node holds a third of its
+/// blocks with all their experts, not the model; split by blocks over three nodes it equals the local run.
+#[test]
+fn a_mixture_of_experts_no_node_holds_is_split_over_three_and_equals_the_local_run() {
+    const MOE_BUDGET: &str = "900MiB";
+    const MOE_BUDGET_BYTES: u64 = 900 << 20;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let shape = SyntheticShape::named("moe-1b").expect("the moe-1b shape");
+    let tokenizer = GgufTokenizer::from_gguf(&smollm_gguf()).expect("SmolLM2's tokenizer");
+    let written = write_gguf(
+        &dir.path().join("moe-1b-q4_k_m.gguf"),
+        &shape,
+        GgufFormat::Q4KM,
+        &tokenizer,
+        SEED,
+    )
+    .expect("write the MoE GGUF");
+    let model = written.path;
+    let args = ["--max-memory", MOE_BUDGET, "--cache-tokens", "1024"];
+    // The whole model under the same budget: refused before a weight is read.
+    let mut cmd = Command::new(bin("petal-node"));
+    cmd.arg("serve")
+        .arg("--model")
+        .arg(&model)
+        .args(["--blocks", "0..12", "--listen", LISTEN])
+        .args(args);
+    let out = run_with_timeout(cmd, Duration::from_secs(60));
+    assert!(!out.success() && !out.timed_out(), "{out}");
+    assert!(
+        out.stderr.contains("do not fit") && out.stderr.contains("nothing was loaded"),
+        "{out}"
+    );
+    let swarm = Swarm::builder()
+        .node_with(&model, "0..4", &args)
+        .node_with(&model, "4..8", &args)
+        .node_with(&model, "8..12", &args)
+        .start();
+    let records = swarm.records();
+    assert_eq!(records.len(), 3, "{records:?}");
+    for r in &records {
+        let weights = u64_field(r, "weight_bytes");
+        assert!(
+            weights > 0 && weights + u64_field(r, "kv_bytes_total") <= MOE_BUDGET_BYTES,
+            "{r}"
+        );
+    }
+    let sampled = |g: Generate| {
+        g.max_new_tokens(8)
+            .ignore_eos()
+            .args(&["--temperature", "1", "--seed", "7"])
+            .timeout(Duration::from_secs(300))
+            .run_json()
+    };
+    let prompt = "The capital of France is";
+    let local = sampled(Generate::new(&model, prompt).local());
+    let remote = sampled(swarm.generate(&model, prompt));
+    assert_eq!(local.tokens.len(), 8);
+    assert_eq!(
+        remote.tokens, local.tokens,
+        "the swarm's tokens differ from the local run's"
+    );
+    for node in &swarm.nodes {
+        assert!(
+            peak_rss(node) <= MOE_BUDGET_BYTES,
+            "{} peaked at {} MiB, over its {MOE_BUDGET} budget",
+            node.spec.name,
+            peak_rss(node) >> 20
+        );
+    }
+}
+
 /// With the same budget and no --blocks a node takes only what fits, each block with the full KV cache; asked for
 /// the whole model it refuses at start-up, naming the sizes, before it reads a weight.
 #[test]

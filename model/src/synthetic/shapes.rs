@@ -152,6 +152,26 @@ pub const SHAPES: &[SyntheticShape] = &[
             size: 768,
         }),
     },
+    // A mixture bigger than a small node's budget, quick to write and load: 64 experts of 512, eight per token.
+    SyntheticShape {
+        name: "moe-1b",
+        hidden_size: 1024,
+        num_blocks: 12,
+        num_heads: 16,
+        num_kv_heads: 4,
+        intermediate_size: 2816,
+        vocab_size: 32000,
+        tie_embeddings: false,
+        max_position: 4096,
+        family: SyntheticFamily::Qwen3Moe,
+        sliding_window: None,
+        head_size: None,
+        experts: Some(ExpertShape {
+            count: 64,
+            per_token: 8,
+            size: 512,
+        }),
+    },
     // A mixture small enough for tests: 16 experts of 256, four per token.
     SyntheticShape {
         name: "moe-tiny",
