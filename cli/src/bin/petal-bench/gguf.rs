@@ -1,4 +1,4 @@
-//! `petal-bench gguf`: writes a random-weight model of a real shape (8B, 14B, 70B) as a GGUF file in a format users
+//! `petal-bench gguf`: writes a random-weight model of a real shape (8B, 14B, 70B, Qwen3-30B-A3B) as a GGUF file in a format users
 //! download, for the bench, the tests and a GPU host, none of which can be sent a 4-40 GB file.
 use anyhow::{Context, Result};
 use petal_model::models_dir::{default_model, missing_model, DEFAULT_MODEL};
@@ -9,7 +9,8 @@ use std::time::Instant;
 
 #[derive(clap::Args, Debug)]
 pub struct GgufArgs {
-    /// Shape: 8b (Llama-3-8B), 14b, 70b (Llama-3-70B), or a smaller one of `--synthetic`'s.
+    /// Shape: 8b (Llama-3-8B), 14b, 70b (Llama-3-70B), 30b-a3b (Qwen3-30B-A3B, a mixture of experts), moe-1b, or a
+    /// smaller one of `--synthetic`'s.
     #[arg(long, default_value = "8b")]
     shape: String,
     /// File type, as llama-quantize names it: q4_0, q8_0, q4_k_m or q5_k_m.
