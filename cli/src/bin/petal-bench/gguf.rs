@@ -1,5 +1,5 @@
-//! `petal-bench gguf`: writes a random-weight model of a real shape (8B, 14B, 70B, Qwen3-30B-A3B) as a GGUF file in a format users
-//! download, for the bench, the tests and a GPU host, none of which can be sent a 4-40 GB file.
+//! `petal-bench gguf`: writes a random-weight model of a real shape (8B, 14B, 70B, Qwen3-30B-A3B) as a GGUF file
+//! in a format users download, for the bench, the tests and a GPU host, none of which can be sent a 4-40 GB file.
 use anyhow::{Context, Result};
 use petal_model::models_dir::{default_model, missing_model, DEFAULT_MODEL};
 use petal_model::synthetic::{self, GgufFormat, GgufTokenizer};
