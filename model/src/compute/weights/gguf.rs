@@ -281,3 +281,69 @@ impl WeightSource for GgufWeights {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    use candle_core::Tensor;
+
+    /// A file with block 0's gate experts stacked (two experts of 4 x 32, Q8_0) and block 1's "stacked" up
+    /// experts wrongly 2-D.
+    fn experts_file(dir: &Path) -> PathBuf {
+        let dev = Device::Cpu;
+        let stacked = Tensor::arange(0f32, 256.0, &dev)
+            .and_then(|t| t.reshape((2, 4, 32)))
+            .and_then(|t| QTensor::quantize(&t, GgmlDType::Q8_0))
+            .unwrap();
+        let flat = Tensor::zeros((4, 32), candle_core::DType::F32, &dev)
+            .and_then(|t| QTensor::quantize(&t, GgmlDType::Q8_0))
+            .unwrap();
+        let path = dir.join("experts.gguf");
+        let arch = Value::String("llama".into());
+        let mut f = File::create(&path).unwrap();
+        gguf_file::write(
+            &mut f,
+            &[("general.architecture", &arch)],
+            &[
+                ("blk.0.ffn_gate_exps.weight", &stacked),
+                ("blk.1.ffn_up_exps.weight", &flat),
+            ],
+        )
+        .unwrap();
+        path
+    }
+
+    #[test]
+    fn each_expert_is_its_own_slab_and_bad_experts_are_typed_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = GgufWeights::open(&experts_file(dir.path())).unwrap();
+        let dev = Device::Cpu;
+        let second = match w.load_block(0, BlockTensor::ExpertGate(1), &dev).unwrap() {
+            Weight::Quantized(q) => q.dequantize(&dev).unwrap(),
+            Weight::Dense(_) => panic!("an expert stays quantized"),
+        };
+        assert_eq!(second.dims(), &[4, 32]);
+        // Expert 1 holds the values 128..256; Q8_0 keeps them within a step of their block's scale.
+        let first_value: f32 = second
+            .flatten_all()
+            .unwrap()
+            .get(0)
+            .unwrap()
+            .to_scalar()
+            .unwrap();
+        assert!((first_value - 128.0).abs() < 1.5, "{first_value}");
+        assert!(matches!(
+            w.load_block(0, BlockTensor::ExpertGate(2), &dev),
+            Err(ModelError::MissingTensor { name }) if name.contains("holds 2")
+        ));
+        assert!(matches!(
+            w.load_block(1, BlockTensor::ExpertUp(0), &dev),
+            Err(ModelError::Corrupt { reason, .. }) if reason.contains("3-D")
+        ));
+        assert!(matches!(
+            w.load_block(0, BlockTensor::ExpertDown(0), &dev),
+            Err(ModelError::MissingTensor { .. })
+        ));
+    }
+}
