@@ -10,7 +10,7 @@ mod common;
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use candle_transformers::models::{
-    gemma2, gemma3, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe,
+    deepseek2, gemma2, gemma3, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe,
 };
 use common::*;
 use petal_model::synthetic::{write_model, SyntheticFamily, SyntheticShape, WeightDType, MINI};
@@ -111,6 +111,17 @@ fn qwen3_moe_experts_match_candle_qwen3_moe() {
         |_, json, vb| {
             recomputing!(qwen3_moe::ModelForCausalLM::new(&config(json), vb.clone()).unwrap())
         },
+    );
+}
+
+/// DeepSeek-V2: latent attention with low-rank queries, YaRN, eight experts of half the dense width (two per token,
+/// weights scaled by 1.5 and not renormalised) beside a shared one, and a dense first block. Ours attends in the
+/// latent, the cache holding the latent alone; candle expands every head's key and value.
+#[test]
+fn deepseek_v2_latent_attention_matches_candle_deepseek2() {
+    check(
+        SHAPE.with_family(SyntheticFamily::DeepseekV2),
+        |_, json, vb| recomputing!(deepseek2::DeepSeekV2::new(&config(json), vb.clone()).unwrap()),
     );
 }
 
@@ -253,12 +264,8 @@ fn gguf_arch(family: SyntheticFamily) -> &'static str {
 
 /// The synthetic model of `family` converted to GGUF the way llama.cpp's converter lays it out (its tensor names
 /// and metadata keys; Gemma's norms stored with their 1 added), matrices in `matrices`, vectors and routers in
-/// f32, experts stacked.
-fn write_gguf(hf: &Path, family: SyntheticFamily, matrices: GgmlDType, out: &Path) {
-    write_gguf_with(hf, family, matrices, Experts::Stacked, out)
-}
-
-fn write_gguf_with(
+/// f32, experts laid out as `experts` says.
+fn write_gguf(
     hf: &Path,
     family: SyntheticFamily,
     matrices: GgmlDType,
@@ -397,7 +404,7 @@ fn write_gguf_with(
             gguf_file::Value::F32(1e-5),
         ),
     ];
-    if let Some(ex) = SHAPE.with_family(family).experts {
+    if let Some(ex) = SHAPE.with_family(family).expert_shape() {
         md.extend([
             (k("expert_count"), u(ex.count)),
             (k("expert_used_count"), u(ex.per_token)),
@@ -426,30 +433,40 @@ fn write_gguf_with(
     gguf_file::write(&mut f, &md_refs, &t_refs).unwrap();
 }
 
+/// The synthetic model of `family` written in `dir` and converted to GGUF (matrices in `matrices`), opened as
+/// our source, which names the architecture llama.cpp's converter would.
+fn gguf_fixture(
+    dir: &Path,
+    family: SyntheticFamily,
+    matrices: GgmlDType,
+    experts: Experts,
+) -> (std::path::PathBuf, ModelSource) {
+    write_model(dir, &SHAPE.with_family(family), WeightDType::F32, SEED).unwrap();
+    let gguf = dir.join("model.gguf");
+    write_gguf(dir, family, matrices, experts, &gguf);
+    let source = ModelSource::open(&gguf).unwrap();
+    assert_eq!(source.spec().architecture, gguf_arch(family));
+    (gguf, source)
+}
+
 /// Our GGUF spans against candle's quantized model of the family, on the same Q8_0 file.
 fn check_gguf(
     family: SyntheticFamily,
     reference: impl FnOnce(&Path) -> Box<dyn FnMut(&Tensor) -> Tensor>,
 ) {
-    check_gguf_with(family, Experts::Stacked, reference)
+    check_gguf_with(family, GgmlDType::Q8_0, Experts::Stacked, reference)
 }
 
+/// Our GGUF spans (matrices in `matrices`) against `reference`, given the GGUF file's path, recomputing the whole
+/// sequence at every step.
 fn check_gguf_with(
     family: SyntheticFamily,
+    matrices: GgmlDType,
     experts: Experts,
     reference: impl FnOnce(&Path) -> Box<dyn FnMut(&Tensor) -> Tensor>,
 ) {
     let dir = tempfile::tempdir().unwrap();
-    write_model(
-        dir.path(),
-        &SHAPE.with_family(family),
-        WeightDType::F32,
-        SEED,
-    )
-    .unwrap();
-    let gguf = dir.path().join("model-q8_0.gguf");
-    write_gguf_with(dir.path(), family, GgmlDType::Q8_0, experts, &gguf);
-    let source = ModelSource::open(&gguf).unwrap();
+    let (gguf, source) = gguf_fixture(dir.path(), family, matrices, experts);
     let mut ours = Composed::new(&source, &[(0, 2), (2, 4), (4, 6)]);
     let mut forward = reference(&gguf);
     let dev = Device::Cpu;
@@ -493,9 +510,9 @@ fn qwen3_gguf_matches_candle_quantized_qwen3() {
 /// stacked the way llama.cpp writes them today give the same tokens, each expert's slab read on its own.
 fn check_mixtral_gguf(experts: Experts) {
     use candle_transformers::models::quantized_llama as q;
-    check_gguf_with(SyntheticFamily::Mixtral, experts, |path| {
+    check_gguf_with(SyntheticFamily::Mixtral, GgmlDType::Q8_0, experts, |path| {
         let per_expert = path.with_file_name("per-expert.gguf");
-        write_gguf_with(
+        write_gguf(
             path.parent().unwrap(),
             SyntheticFamily::Mixtral,
             GgmlDType::Q8_0,
@@ -524,34 +541,12 @@ fn mixtral_gguf_per_expert_tensors_match_candle_quantized_llama() {
 #[test]
 fn qwen3moe_gguf_matches_candle_qwen3_moe() {
     let family = SyntheticFamily::Qwen3Moe;
-    let dir = tempfile::tempdir().unwrap();
-    write_model(
-        dir.path(),
-        &SHAPE.with_family(family),
-        WeightDType::F32,
-        SEED,
-    )
-    .unwrap();
-    let gguf = dir.path().join("model-f32.gguf");
-    write_gguf(dir.path(), family, GgmlDType::F32, &gguf);
-    let source = ModelSource::open(&gguf).unwrap();
-    assert_eq!(source.spec().architecture, "qwen3moe");
-    assert_eq!(source.spec().options.moe.as_ref().unwrap().expert_size, 64);
-    let mut ours = Composed::new(&source, &[(0, 3), (3, 6)]);
-    let (json, vb) = hf_files(dir.path());
-    let mut m = qwen3_moe::ModelForCausalLM::new(&config(&json), vb).unwrap();
-    let dev = Device::Cpu;
-    let mut all: Vec<u32> = vec![];
-    let oracle = |ids: &[u32], _pos: usize| {
-        all.extend_from_slice(ids);
-        let x = Tensor::new(all.as_slice(), &dev)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        m.clear_kv_cache();
-        m.forward(&x, 0).unwrap().flatten_all().unwrap()
-    };
-    compare(&mut ours, oracle, &PROMPT);
+    check_gguf_with(family, GgmlDType::F32, Experts::Stacked, |path| {
+        let source = ModelSource::open(path).unwrap();
+        assert_eq!(source.spec().options.moe.as_ref().unwrap().expert_size, 64);
+        let (json, vb) = hf_files(path.parent().unwrap());
+        recomputing!(qwen3_moe::ModelForCausalLM::new(&config(&json), vb).unwrap())
+    });
 }
 
 #[test]
@@ -570,20 +565,7 @@ fn phi3_gguf_matches_candle_quantized_phi3() {
 /// Gemma, HF and llama.cpp alike, uses GELU, so it cannot be the reference; candle has no quantized Gemma 2.)
 fn check_gemma_gguf(family: SyntheticFamily) {
     let dir = tempfile::tempdir().unwrap();
-    write_model(
-        dir.path(),
-        &SHAPE.with_family(family),
-        WeightDType::F32,
-        SEED,
-    )
-    .unwrap();
-    let gguf = dir.path().join("model-f32.gguf");
-    write_gguf(dir.path(), family, GgmlDType::F32, &gguf);
-    let source = ModelSource::open(&gguf).unwrap();
-    assert_eq!(
-        source.spec().architecture,
-        family.name().trim_end_matches("_text")
-    );
+    let (_, source) = gguf_fixture(dir.path(), family, GgmlDType::F32, Experts::Stacked);
     let mut ours = Composed::new(&source, &[(0, 2), (2, 4), (4, 6)]);
     let dev = Device::Cpu;
     let (json, vb) = hf_files(dir.path());

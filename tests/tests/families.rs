@@ -141,6 +141,18 @@ fn qwen3moe_gguf_two_nodes_match_local() {
     swarm_matches_local("qwen3moe GGUF", &path, &["0..3", "3..6"]);
 }
 
+/// Latent attention: each node's cache holds its blocks' latents only, and the dense first block sits on the first.
+#[test]
+fn deepseek_v2_three_nodes_match_local() {
+    three_nodes_match_local(SyntheticFamily::DeepseekV2, None);
+}
+
+/// V3's routing (sigmoid scores, the choice bias, group-limited) on every node.
+#[test]
+fn deepseek_v3_three_nodes_match_local() {
+    three_nodes_match_local(SyntheticFamily::DeepseekV3, None);
+}
+
 #[test]
 fn phi3_three_nodes_match_local() {
     three_nodes_match_local(SyntheticFamily::Phi3, None);

@@ -12,6 +12,8 @@
 //! | phi3    | fused q/k/v and gate/up matrices in the files                                                   |
 //! | gemma2  | GeGLU, norms around attention and MLP, 1 + w norms, scaled embeddings, soft-capping, even layers windowed |
 //! | gemma3  | gemma2 + q/k norms, every n-th layer global, own RoPE base for windowed layers, linear scaling  |
+//! | deepseek_v2 | latent attention (a compressed KV), YaRN, experts with shared ones, dense first layers      |
+//! | deepseek_v3 | deepseek_v2 + sigmoid routing with a correction bias, limited to the best groups of experts |
 use serde::{Deserialize, Serialize};
 
 /// The gating activation of the feed-forward: `down(act(gate(x)) * up(x))`.
@@ -48,9 +50,29 @@ pub struct SlidingWindow {
     pub layers: Vec<usize>,
 }
 
+/// How the router's logits become each expert's score.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExpertScoring {
+    /// A softmax over all experts (Mixtral, Qwen3-MoE, DeepSeek-V2).
+    #[default]
+    Softmax,
+    /// Each expert's own sigmoid (DeepSeek-V3).
+    Sigmoid,
+}
+
+/// Group-limited routing: experts are split into `count` equal groups and a token's experts come only from its
+/// `chosen` best groups. A group's score is its best expert's (softmax scoring, DeepSeek-V2) or the sum of its
+/// best two (sigmoid scoring, DeepSeek-V3, on the bias-corrected scores).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpertGroups {
+    pub count: usize,
+    pub chosen: usize,
+}
+
 /// A sparse mixture of experts in place of the MLP: a router picks `experts_per_token` of `num_experts` SwiGLU
-/// experts per token and mixes their outputs by the router's softmax weights.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// experts per token and mixes their outputs by the router's weights.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Moe {
     pub num_experts: usize,
     pub experts_per_token: usize,
@@ -60,15 +82,98 @@ pub struct Moe {
     /// its `intermediate_size`).
     pub expert_size: usize,
     /// Layers that keep a dense MLP of `intermediate_size` instead (Qwen3-MoE's `mlp_only_layers` and
-    /// `decoder_sparse_step`), ascending.
+    /// `decoder_sparse_step`, DeepSeek's first `first_k_dense_replace`), ascending.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dense_layers: Vec<usize>,
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub scoring: ExpertScoring,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub groups: Option<ExpertGroups>,
+    /// The files hold a per-expert bias added to the scores to choose experts (not to weigh them): DeepSeek-V3's
+    /// `e_score_correction_bias`.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub choice_bias: bool,
+    /// The chosen experts' weights are multiplied by this (DeepSeek's `routed_scaling_factor`).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub routed_scale: f32,
+    /// Width of the shared experts, which every token goes through besides its chosen ones (DeepSeek's
+    /// `n_shared_experts x moe_intermediate_size`, one MLP in the files).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_size: Option<usize>,
+}
+
+/// One expert of one, softmax routing, nothing shared: a base to fill in.
+impl Default for Moe {
+    fn default() -> Self {
+        Self {
+            num_experts: 1,
+            experts_per_token: 1,
+            normalize_top_k: false,
+            expert_size: 0,
+            dense_layers: vec![],
+            scoring: ExpertScoring::Softmax,
+            groups: None,
+            choice_bias: false,
+            routed_scale: 1.0,
+            shared_size: None,
+        }
+    }
 }
 
 impl Moe {
     /// Whether layer `layer` routes to experts.
     pub fn is_sparse(&self, layer: usize) -> bool {
         self.dense_layers.binary_search(&layer).is_err()
+    }
+}
+
+/// Multi-head latent attention (DeepSeek-V2/V3): keys and values of all heads are expanded from one compressed
+/// latent of `kv_rank` values per position plus `rope_dim` rotated key values shared by every head, and that
+/// latent is what the KV cache holds. Each head's query is `nope_dim + rope_dim` wide and its value `value_dim`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LatentAttention {
+    /// Queries come through a low-rank projection of this rank with a norm between (`q_lora_rank`); `None`: one
+    /// projection (DeepSeek-V2-Lite).
+    pub q_rank: Option<usize>,
+    pub kv_rank: usize,
+    pub nope_dim: usize,
+    pub rope_dim: usize,
+    pub value_dim: usize,
+}
+
+impl LatentAttention {
+    /// Values the cache holds per position: the latent and the rotated key.
+    pub fn latent_dim(&self) -> usize {
+        self.kv_rank + self.rope_dim
+    }
+
+    /// Width of a query head (and of a key head as the model defines them).
+    pub fn query_dim(&self) -> usize {
+        self.nope_dim + self.rope_dim
+    }
+}
+
+/// YaRN RoPE scaling (DeepSeek's `rope_scaling.type == "yarn"`): frequencies interpolated by `factor` below a band
+/// set by `beta_fast`/`beta_slow` rotations over the original context, the tables scaled by `mscale`'s ratio and
+/// the scores by `mscale_all_dim`'s square.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Yarn {
+    pub factor: f32,
+    pub original_max_position: usize,
+    pub beta_fast: f32,
+    pub beta_slow: f32,
+    pub mscale: f32,
+    pub mscale_all_dim: f32,
+}
+
+impl Yarn {
+    /// YaRN's attention temperature for a magnitude `m`: `0.1 m ln(factor) + 1` when the context is stretched.
+    pub fn get_mscale(&self, m: f32) -> f32 {
+        if self.factor <= 1.0 {
+            1.0
+        } else {
+            0.1 * m * self.factor.ln() + 1.0
+        }
     }
 }
 
@@ -115,6 +220,10 @@ pub struct FamilyOptions {
     pub fused_projections: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe: Option<Moe>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latent_attention: Option<LatentAttention>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub yarn: Option<Yarn>,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -123,6 +232,14 @@ fn is_false(b: &bool) -> bool {
 
 fn is_default<T: Default + PartialEq>(v: &T) -> bool {
     *v == T::default()
+}
+
+fn one() -> f32 {
+    1.0
+}
+
+fn is_one(v: &f32) -> bool {
+    *v == 1.0
 }
 
 impl FamilyOptions {

@@ -469,6 +469,7 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
         },
         fused_projections: arch == "phi3",
         moe,
+        ..FamilyOptions::default()
     };
     let token_id = |key: &str| md.get(key).and_then(|v: &Value| v.to_u32().ok());
     let spec = ModelSpec {
@@ -532,6 +533,7 @@ fn gguf_moe(
         normalize_top_k: true,
         expert_size,
         dense_layers: (0..blocks).filter(|&b| !has_router(b)).collect(),
+        ..Moe::default()
     }))
 }
 

@@ -1,6 +1,9 @@
 //! One description of a model, read from a Hugging Face `config.json`, GGUF metadata or a llama2.c header.
 //! Everything downstream (blocks, head, router) is built from this, never from format-specific fields.
-use crate::compute::family::{Activation, FamilyOptions, Moe, SlidingWindow};
+use crate::compute::family::{
+    Activation, ExpertGroups, ExpertScoring, FamilyOptions, LatentAttention, Moe, SlidingWindow,
+    Yarn,
+};
 use crate::error::{ModelError, Result};
 use serde::{Deserialize, Serialize};
 
@@ -51,6 +54,17 @@ pub struct ModelSpec {
 }
 
 impl ModelSpec {
+    /// A `what` layer list names only layers of this model.
+    fn layers_inside(&self, what: &str, layers: &[usize]) -> Result<()> {
+        match layers.iter().find(|&&l| l >= self.num_blocks) {
+            Some(l) => Err(ModelError::Config(format!(
+                "{what} layer {l} is outside the model's {} layers",
+                self.num_blocks
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// Checks the invariants every block relies on, so a bad config fails at load and not mid-generation.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(ModelError::Config(m));
@@ -88,12 +102,7 @@ impl ModelSpec {
             if w.size == 0 {
                 return bad("sliding_window must be positive".into());
             }
-            if let Some(&l) = w.layers.iter().find(|&&l| l >= self.num_blocks) {
-                return bad(format!(
-                    "windowed layer {l} is outside the model's {} layers",
-                    self.num_blocks
-                ));
-            }
+            self.layers_inside("windowed", &w.layers)?;
         }
         if let Some(m) = &o.moe {
             if m.num_experts == 0 || m.experts_per_token == 0 || m.experts_per_token > m.num_experts
@@ -106,10 +115,58 @@ impl ModelSpec {
             if m.expert_size == 0 {
                 return bad("experts' intermediate size must be positive".into());
             }
-            if let Some(&l) = m.dense_layers.iter().find(|&&l| l >= self.num_blocks) {
+            self.layers_inside("dense", &m.dense_layers)?;
+            if let Some(g) = m.groups {
+                let per_group = m.num_experts / g.count.max(1);
+                if g.count == 0
+                    || !m.num_experts.is_multiple_of(g.count)
+                    || g.chosen == 0
+                    || g.chosen > g.count
+                    || m.experts_per_token > g.chosen * per_group
+                {
+                    return bad(format!(
+                        "{} experts per token from {} of {} groups of {} experts",
+                        m.experts_per_token, g.chosen, g.count, m.num_experts
+                    ));
+                }
+            }
+            if !(m.routed_scale.is_finite() && m.routed_scale > 0.0) {
                 return bad(format!(
-                    "dense layer {l} is outside the model's {} layers",
-                    self.num_blocks
+                    "routed_scaling_factor {} must be positive",
+                    m.routed_scale
+                ));
+            }
+            if m.shared_size == Some(0) {
+                return bad("shared experts' intermediate size must be positive".into());
+            }
+        }
+        if let Some(l) = &o.latent_attention {
+            if l.kv_rank == 0 || l.nope_dim == 0 || l.value_dim == 0 || l.q_rank == Some(0) {
+                return bad(format!(
+                    "latent attention dimensions must be positive: {l:?}"
+                ));
+            }
+            if !l.rope_dim.is_multiple_of(2) || !l.latent_dim().is_multiple_of(2) {
+                return bad(format!(
+                    "latent attention's rotated dimensions ({}) and latent ({}) must be even",
+                    l.rope_dim,
+                    l.latent_dim()
+                ));
+            }
+            if self.num_kv_heads != 1 || self.head_dim != l.query_dim() {
+                return bad(format!(
+                    "latent attention caches one latent for {} query heads of {}: not {} KV heads of {}",
+                    self.num_heads,
+                    l.query_dim(),
+                    self.num_kv_heads,
+                    self.head_dim
+                ));
+            }
+        }
+        if let Some(y) = &o.yarn {
+            if !(y.factor.is_finite() && y.factor > 0.0) || y.original_max_position == 0 {
+                return bad(format!(
+                    "YaRN scaling needs a positive factor and context: {y:?}"
                 ));
             }
         }
@@ -133,8 +190,22 @@ impl ModelSpec {
         Ok(())
     }
 
+    /// Width of each of the KV cache's two halves per position: keys and values of every KV head, or for latent
+    /// attention half the latent (its first half is stored as the "keys", the rest as the "values", so the cache
+    /// holds exactly the compressed KV).
     pub fn kv_dim(&self) -> usize {
-        self.num_kv_heads * self.head_dim
+        match &self.options.latent_attention {
+            Some(l) => l.latent_dim() / 2,
+            None => self.num_kv_heads * self.head_dim,
+        }
+    }
+
+    /// Dimensions of a head that RoPE rotates: all of it, or latent attention's rotated part.
+    pub fn rope_dim(&self) -> usize {
+        match &self.options.latent_attention {
+            Some(l) => l.rope_dim,
+            None => self.head_dim,
+        }
     }
 
     /// Weights of block `block`'s matrices (norms and biases are negligible): attention, and the MLP, or in a
@@ -148,10 +219,26 @@ impl ModelSpec {
         let ffn = match &self.options.moe {
             Some(m) if m.is_sparse(block) => {
                 m.num_experts as u64 * (3 * h * m.expert_size as u64 + h)
+                    + 3 * h * m.shared_size.unwrap_or(0) as u64
             }
             _ => 3 * h * self.intermediate_size as u64,
         };
-        2 * h * q + 2 * h * kv + ffn
+        let attention = match &self.options.latent_attention {
+            Some(l) => {
+                let heads = self.num_heads as u64;
+                let rank = l.kv_rank as u64;
+                let query = match l.q_rank {
+                    Some(r) => h * r as u64 + r as u64 * q,
+                    None => h * q,
+                };
+                query
+                    + h * l.latent_dim() as u64
+                    + rank * heads * (l.nope_dim + l.value_dim) as u64
+                    + heads * l.value_dim as u64 * h
+            }
+            None => 2 * h * q + 2 * h * kv,
+        };
+        attention + ffn
     }
 
     /// Bytes of KV cache one token takes in one block at `dtype_size` bytes per element.
@@ -178,13 +265,50 @@ impl ModelSpec {
             "phi3" | "Phi3ForCausalLM" => "phi3",
             "gemma2" | "Gemma2ForCausalLM" => "gemma2",
             "gemma3_text" | "Gemma3ForCausalLM" => "gemma3",
+            "deepseek_v2" | "DeepseekV2ForCausalLM" => "deepseek_v2",
+            "deepseek_v3" | "DeepseekV3ForCausalLM" => "deepseek_v3",
             _ => return Err(ModelError::UnknownArchitecture(arch)),
         };
+        let deepseek = family.starts_with("deepseek");
+        if deepseek {
+            let methods = ["greedy", "group_limited_greedy", "noaux_tc"];
+            if let Some(m) = c.topk_method.as_deref().filter(|m| !methods.contains(m)) {
+                return Err(ModelError::Config(format!(
+                    "topk_method {m:?} is not supported ({methods:?} are)"
+                )));
+            }
+            if let Some(f) = c
+                .scoring_func
+                .as_deref()
+                .filter(|f| !["softmax", "sigmoid"].contains(f))
+            {
+                return Err(ModelError::Config(format!(
+                    "scoring_func {f:?} is not supported (softmax and sigmoid are)"
+                )));
+            }
+        }
         let num_heads = c.num_attention_heads;
-        let head_dim = match c.head_dim {
-            Some(d) => d,
-            None if num_heads > 0 => c.hidden_size / num_heads,
-            None => 0,
+        let latent_attention = match (c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim) {
+            (Some(kv_rank), Some(nope_dim), Some(rope_dim)) if deepseek => Some(LatentAttention {
+                q_rank: c.q_lora_rank,
+                kv_rank,
+                nope_dim,
+                rope_dim,
+                value_dim: c.v_head_dim.unwrap_or(nope_dim),
+            }),
+            _ if deepseek => {
+                return Err(ModelError::Config(
+                    "DeepSeek config.json lacks kv_lora_rank, qk_nope_head_dim or qk_rope_head_dim"
+                        .into(),
+                ))
+            }
+            _ => None,
+        };
+        let head_dim = match (c.head_dim, latent_attention) {
+            (_, Some(l)) => l.query_dim(),
+            (Some(d), None) => d,
+            (None, None) if num_heads > 0 => c.hidden_size / num_heads,
+            (None, None) => 0,
         };
         let scaling = c.rope_scaling.as_ref().and_then(|s| {
             s.rope_type
@@ -194,8 +318,19 @@ impl ModelSpec {
         });
         let mut rope_scaling = None;
         let mut rope_linear_factor = None;
+        let mut yarn = None;
         match scaling {
             None | Some(("default", _)) => {}
+            Some(("yarn", s)) => {
+                yarn = Some(Yarn {
+                    factor: s.factor.unwrap_or(1.0),
+                    original_max_position: s.original_max_position_embeddings.unwrap_or(4096),
+                    beta_fast: s.beta_fast.unwrap_or(32.0),
+                    beta_slow: s.beta_slow.unwrap_or(1.0),
+                    mscale: s.mscale.unwrap_or(1.0),
+                    mscale_all_dim: s.mscale_all_dim.unwrap_or(0.0),
+                })
+            }
             Some(("llama3", s)) => {
                 rope_scaling = Some(Llama3RopeScaling {
                     factor: s.factor.unwrap_or(1.0),
@@ -209,7 +344,7 @@ impl ModelSpec {
             Some(("linear", s)) => rope_linear_factor = s.factor,
             Some((other, _)) => {
                 return Err(ModelError::Config(format!(
-                    "rope_scaling type {other:?} is not supported (default, linear and llama3 are)"
+                    "rope_scaling type {other:?} is not supported (default, linear, llama3 and yarn are)"
                 )))
             }
         }
@@ -278,7 +413,7 @@ impl ModelSpec {
                     experts_per_token: c.num_experts_per_tok.unwrap_or(2),
                     normalize_top_k: true,
                     expert_size: c.intermediate_size,
-                    dense_layers: vec![],
+                    ..Moe::default()
                 }),
                 "qwen3_moe" => {
                     // HF: a layer is sparse unless listed in `mlp_only_layers`, and then only every
@@ -293,10 +428,47 @@ impl ModelSpec {
                         dense_layers: (0..layers)
                             .filter(|l| listed.contains(l) || (l + 1) % step != 0)
                             .collect(),
+                        ..Moe::default()
                     })
                 }
+                "deepseek_v2" | "deepseek_v3" => c.n_routed_experts.map(|experts| {
+                    // HF: layers before `first_k_dense_replace`, and those off `moe_layer_freq`, are dense.
+                    let first_sparse = c.first_k_dense_replace.unwrap_or(0);
+                    let freq = c.moe_layer_freq.unwrap_or(1).max(1);
+                    let method = c.topk_method.as_deref().unwrap_or("greedy");
+                    let normalize_top_k = c.norm_topk_prob.unwrap_or(false);
+                    let factor = c.routed_scaling_factor.unwrap_or(1.0);
+                    let expert_size = c.moe_intermediate_size.unwrap_or(c.intermediate_size);
+                    Moe {
+                        num_experts: experts,
+                        experts_per_token: c.num_experts_per_tok.unwrap_or(1),
+                        normalize_top_k,
+                        expert_size,
+                        dense_layers: (0..layers)
+                            .filter(|&l| l < first_sparse || l % freq != 0)
+                            .collect(),
+                        scoring: match c.scoring_func.as_deref() {
+                            Some("sigmoid") => ExpertScoring::Sigmoid,
+                            _ => ExpertScoring::Softmax,
+                        },
+                        groups: (method != "greedy").then_some(ExpertGroups {
+                            count: c.n_group.unwrap_or(1),
+                            chosen: c.topk_group.unwrap_or(1),
+                        }),
+                        choice_bias: method == "noaux_tc",
+                        // DeepSeek-V2 scales the weights only when it does not renormalise them; V3 always.
+                        routed_scale: if family == "deepseek_v2" && normalize_top_k {
+                            1.0
+                        } else {
+                            factor
+                        },
+                        shared_size: c.n_shared_experts.map(|n| n * expert_size),
+                    }
+                }),
                 _ => None,
             },
+            latent_attention,
+            yarn,
         };
         let spec = Self {
             name: name.to_string(),
@@ -305,12 +477,22 @@ impl ModelSpec {
             hidden_size: c.hidden_size,
             intermediate_size: c.intermediate_size,
             num_heads,
-            num_kv_heads: c.num_key_value_heads.unwrap_or(num_heads),
+            // Latent attention's cache is one latent shared by every head.
+            num_kv_heads: if latent_attention.is_some() {
+                1
+            } else {
+                c.num_key_value_heads.unwrap_or(num_heads)
+            },
             head_dim,
             vocab_size: c.vocab_size,
             rope_theta: c.rope_theta.unwrap_or(10_000.0),
             rope_scaling,
-            rope_style: RopeStyle::Half,
+            // DeepSeek's HF code rotates interleaved pairs.
+            rope_style: if deepseek {
+                RopeStyle::Interleaved
+            } else {
+                RopeStyle::Half
+            },
             rms_eps: c.rms_norm_eps.unwrap_or(1e-6),
             max_position: c.max_position_embeddings.unwrap_or(4096),
             // Gemma always ties its LM head to the embeddings.
@@ -372,6 +554,20 @@ struct HfConfig {
     norm_topk_prob: Option<bool>,
     decoder_sparse_step: Option<usize>,
     mlp_only_layers: Option<Vec<usize>>,
+    q_lora_rank: Option<usize>,
+    kv_lora_rank: Option<usize>,
+    qk_nope_head_dim: Option<usize>,
+    qk_rope_head_dim: Option<usize>,
+    v_head_dim: Option<usize>,
+    n_routed_experts: Option<usize>,
+    n_shared_experts: Option<usize>,
+    routed_scaling_factor: Option<f32>,
+    topk_method: Option<String>,
+    scoring_func: Option<String>,
+    n_group: Option<usize>,
+    topk_group: Option<usize>,
+    first_k_dense_replace: Option<usize>,
+    moe_layer_freq: Option<usize>,
 }
 
 #[derive(Deserialize)]
@@ -383,6 +579,10 @@ struct HfRopeScaling {
     low_freq_factor: Option<f32>,
     high_freq_factor: Option<f32>,
     original_max_position_embeddings: Option<usize>,
+    beta_fast: Option<f32>,
+    beta_slow: Option<f32>,
+    mscale: Option<f32>,
+    mscale_all_dim: Option<f32>,
 }
 
 #[derive(Deserialize)]
@@ -561,5 +761,75 @@ mod tests {
             ModelSpec::from_hf_config("moe", &too_many),
             Err(ModelError::Config(m)) if m.contains("9 experts per token of 8")
         ));
+    }
+
+    /// DeepSeek: one latent KV head (the cache half the latent wide), dense first blocks, V2 scaling only
+    /// unnormalised weights and V3 always, V3's groups and bias, interleaved RoPE, YaRN; an unknown method refused.
+    #[test]
+    fn deepseek_latent_attention_and_routing() {
+        let v2 = STORIES
+            .replace(r#""model_type":"llama""#, r#""model_type":"deepseek_v2""#)
+            .replace(
+                r#""rope_scaling":null"#,
+                r#""rope_scaling":{"type":"yarn","factor":4.0,"original_max_position_embeddings":128,
+                "mscale":1.0,"mscale_all_dim":0.8,"beta_fast":32,"beta_slow":1},
+                "q_lora_rank":32,"kv_lora_rank":32,"qk_nope_head_dim":16,"qk_rope_head_dim":8,"v_head_dim":12,
+                "n_routed_experts":8,"num_experts_per_tok":2,"moe_intermediate_size":32,"n_shared_experts":2,
+                "first_k_dense_replace":2,"moe_layer_freq":1,"routed_scaling_factor":1.5,"norm_topk_prob":false,
+                "topk_method":"greedy","n_group":1,"topk_group":1"#,
+            );
+        let s = ModelSpec::from_hf_config("v2", &v2).unwrap();
+        let (m, l) = (
+            s.options.moe.clone().unwrap(),
+            s.options.latent_attention.unwrap(),
+        );
+        assert_eq!(
+            (s.num_kv_heads, s.head_dim, s.kv_dim(), s.rope_dim()),
+            (1, 24, 20, 8)
+        );
+        assert_eq!(s.rope_style, RopeStyle::Interleaved);
+        assert_eq!(s.kv_bytes_per_token_per_block(2), 2 * (32 + 8));
+        assert_eq!(l.q_rank, Some(32));
+        assert_eq!(m.dense_layers, vec![0, 1]);
+        assert_eq!(
+            (m.routed_scale, m.shared_size, m.groups),
+            (1.5, Some(64), None)
+        );
+        assert_eq!(s.options.yarn.map(|y| y.factor), Some(4.0));
+        let normalised = v2.replace(r#""norm_topk_prob":false"#, r#""norm_topk_prob":true"#);
+        let s = ModelSpec::from_hf_config("v2", &normalised).unwrap();
+        assert_eq!(s.options.moe.unwrap().routed_scale, 1.0);
+
+        let v3 = normalised
+            .replace("deepseek_v2", "deepseek_v3")
+            .replace(
+                r#""topk_method":"greedy","n_group":1"#,
+                r#""topk_method":"noaux_tc","scoring_func":"sigmoid","n_group":4"#,
+            )
+            .replace(r#""topk_group":1"#, r#""topk_group":2"#);
+        let m = ModelSpec::from_hf_config("v3", &v3)
+            .unwrap()
+            .options
+            .moe
+            .unwrap();
+        assert_eq!(
+            (m.scoring, m.groups, m.choice_bias, m.routed_scale),
+            (
+                ExpertScoring::Sigmoid,
+                Some(ExpertGroups {
+                    count: 4,
+                    chosen: 2
+                }),
+                true,
+                1.5
+            )
+        );
+        let unknown = v3.replace("noaux_tc", "mystery");
+        assert!(matches!(
+            ModelSpec::from_hf_config("v3", &unknown),
+            Err(ModelError::Config(m)) if m.contains("mystery")
+        ));
+        let too_few_groups = v3.replace(r#""topk_group":2"#, r#""topk_group":5"#);
+        assert!(ModelSpec::from_hf_config("v3", &too_few_groups).is_err());
     }
 }

@@ -150,16 +150,15 @@ pub fn write_gguf(
     tokenizer: &GgufTokenizer,
     seed: u64,
 ) -> io::Result<WrittenGguf> {
-    let supported = match shape.family {
-        SyntheticFamily::Llama => true,
-        SyntheticFamily::Qwen3Moe => shape.experts.is_some(),
-        _ => false,
-    };
+    let supported = matches!(
+        shape.family,
+        SyntheticFamily::Llama | SyntheticFamily::Qwen3Moe
+    );
     if !supported {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             format!(
-                "synthetic GGUF files are Llama or Qwen3-MoE (with experts); {} is not",
+                "synthetic GGUF files are Llama or Qwen3-MoE; {} is not",
                 shape.family.name()
             ),
         ));
@@ -190,7 +189,7 @@ pub fn write_gguf(
         "hidden": shape.hidden_size, "blocks": shape.num_blocks, "ffn": shape.intermediate_size,
         "heads": shape.num_heads, "kv_heads": shape.num_kv_heads, "family": shape.family.name(),
         "head_dim": shape.head_dim(),
-        "experts": shape.experts.map(|e| [e.count, e.per_token, e.size]),
+        "experts": shape.expert_shape().map(|e| [e.count, e.per_token, e.size]),
     });
     if is_current(&marker_path, &marker, path) {
         return Ok(WrittenGguf {
@@ -283,7 +282,7 @@ fn gguf_tensors(shape: &SyntheticShape, format: GgufFormat) -> Vec<GgufTensor> {
             ]);
         }
         t.push(norm(format!("{p}.ffn_norm.weight"), h));
-        match shape.experts {
+        match shape.expert_shape() {
             Some(e) => {
                 // llama.cpp keeps the router in f32 and gives ffn_down_exps the bits ffn_down gets.
                 let stacked = |name: &str, rows: usize, cols: usize, role: Role| GgufTensor {
@@ -365,7 +364,7 @@ fn write_header<W: Write + Seek>(
         (k("rope.freq_base"), Value::F32(500_000.0)),
         (k("vocab_size"), u32v(shape.vocab_size)),
     ];
-    if let Some(e) = shape.experts {
+    if let Some(e) = shape.expert_shape() {
         metadata.extend([
             (k("expert_count"), u32v(e.count)),
             (k("expert_used_count"), u32v(e.per_token)),

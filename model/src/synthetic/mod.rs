@@ -85,12 +85,20 @@ pub enum SyntheticFamily {
     Phi3,
     Gemma2,
     Gemma3,
+    /// Latent attention (low-rank queries), YaRN, softmax routing to [`DEEPSEEK_EXPERTS`] experts with a shared one
+    /// and a dense first block.
+    DeepseekV2,
+    /// DeepSeek-V2 with one query projection and V3's routing: sigmoid scores, a choice bias, the best two of four
+    /// groups.
+    DeepseekV3,
 }
 
 /// Experts per block of a synthetic Mixtral, unless its shape says otherwise.
 pub const MIXTRAL_EXPERTS: usize = 4;
 /// Experts per block of a synthetic Qwen3-MoE, unless its shape says otherwise.
 pub const QWEN3_MOE_EXPERTS: usize = 8;
+/// Routed experts per block of a synthetic DeepSeek, unless its shape says otherwise.
+pub const DEEPSEEK_EXPERTS: usize = 8;
 
 /// The experts of a mixture: `count` per block, `per_token` chosen for each token, each `size` wide.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,7 +109,7 @@ pub struct ExpertShape {
 }
 
 impl SyntheticFamily {
-    pub const ALL: [Self; 9] = [
+    pub const ALL: [Self; 11] = [
         Self::Llama,
         Self::Mistral,
         Self::Mixtral,
@@ -111,6 +119,8 @@ impl SyntheticFamily {
         Self::Phi3,
         Self::Gemma2,
         Self::Gemma3,
+        Self::DeepseekV2,
+        Self::DeepseekV3,
     ];
 
     /// The HF `model_type`.
@@ -125,6 +135,8 @@ impl SyntheticFamily {
             Self::Phi3 => "phi3",
             Self::Gemma2 => "gemma2",
             Self::Gemma3 => "gemma3_text",
+            Self::DeepseekV2 => "deepseek_v2",
+            Self::DeepseekV3 => "deepseek_v3",
         }
     }
 
@@ -137,6 +149,10 @@ impl SyntheticFamily {
 
     fn is_gemma(self) -> bool {
         matches!(self, Self::Gemma2 | Self::Gemma3)
+    }
+
+    fn is_deepseek(self) -> bool {
+        matches!(self, Self::DeepseekV2 | Self::DeepseekV3)
     }
 }
 
@@ -158,7 +174,7 @@ pub struct SyntheticShape {
     pub sliding_window: Option<usize>,
     /// Width of an attention head where it is not `hidden_size / num_heads` (Qwen3-MoE's 128 over 2048).
     pub head_size: Option<usize>,
-    /// The mixture of experts of Mixtral and Qwen3-MoE ([`SyntheticShape::with_family`] gives them one).
+    /// The experts of a Mixtral or Qwen3-MoE where not its family's default (see [`SyntheticShape::expert_shape`]).
     pub experts: Option<ExpertShape>,
 }
 
@@ -175,30 +191,49 @@ impl SyntheticShape {
         self.head_size.unwrap_or(self.hidden_size / self.num_heads)
     }
 
-    /// This shape as a model of `family` (same widths; Gemma always ties its LM head, Mistral-style models never
-    /// do in candle's reference).
-    /// A mixture keeps the experts the shape names, else gets its family's default: Mixtral's are as wide as the
-    /// dense width, Qwen3-MoE's half as wide (so that the two cannot be confused).
-    pub fn with_family(mut self, family: SyntheticFamily) -> Self {
-        self.family = family;
-        self.experts = match family {
-            SyntheticFamily::Mixtral => self.experts.or(Some(ExpertShape {
+    /// The experts of this shape's mixture: those it names, else its family's default (Mixtral's as wide as the
+    /// dense width, Qwen3-MoE's half as wide, so that the two cannot be confused); `None` for a dense family.
+    pub fn expert_shape(&self) -> Option<ExpertShape> {
+        let default = match self.family {
+            SyntheticFamily::Mixtral => ExpertShape {
                 count: MIXTRAL_EXPERTS,
                 per_token: 2,
                 size: self.intermediate_size,
-            })),
-            SyntheticFamily::Qwen3Moe => self.experts.or(Some(ExpertShape {
+            },
+            SyntheticFamily::Qwen3Moe => ExpertShape {
                 count: QWEN3_MOE_EXPERTS,
                 per_token: 2,
                 size: self.intermediate_size / 2,
-            })),
-            _ => None,
+            },
+            SyntheticFamily::DeepseekV2 | SyntheticFamily::DeepseekV3 => ExpertShape {
+                count: DEEPSEEK_EXPERTS,
+                per_token: 2,
+                size: self.intermediate_size / 2,
+            },
+            _ => return None,
         };
+        Some(self.experts.unwrap_or(default))
+    }
+
+    /// DeepSeek's latent attention at this shape: `(q_rank, kv_rank, nope_dim, rope_dim, value_dim)`, a value
+    /// narrower than the key so that the two cannot be confused; V3's queries take one projection.
+    pub fn latent_dims(&self) -> (Option<usize>, usize, usize, usize, usize) {
+        let hd = self.head_dim();
+        let q_rank = (self.family == SyntheticFamily::DeepseekV2).then_some(self.hidden_size / 2);
+        (q_rank, self.hidden_size / 2, hd, hd / 2, 3 * hd / 4)
+    }
+
+    /// This shape as a model of `family` (same widths; Gemma always ties its LM head, Mistral-style models never
+    /// do in candle's reference).
+    pub fn with_family(mut self, family: SyntheticFamily) -> Self {
+        self.family = family;
         match family {
             SyntheticFamily::Gemma2 | SyntheticFamily::Gemma3 => self.tie_embeddings = true,
-            SyntheticFamily::Mistral | SyntheticFamily::Mixtral | SyntheticFamily::Phi3 => {
-                self.tie_embeddings = false
-            }
+            SyntheticFamily::Mistral
+            | SyntheticFamily::Mixtral
+            | SyntheticFamily::Phi3
+            | SyntheticFamily::DeepseekV2
+            | SyntheticFamily::DeepseekV3 => self.tie_embeddings = false,
             _ => {}
         }
         self
@@ -229,7 +264,31 @@ impl SyntheticShape {
         for i in 0..self.num_blocks {
             let p = format!("model.layers.{i}");
             t.push((format!("{p}.input_layernorm.weight"), vec![h], norm));
-            if self.family == F::Phi3 {
+            if self.family.is_deepseek() {
+                let (q_rank, kv_rank, nope, rope, value) = self.latent_dims();
+                let (heads, a) = (self.num_heads, format!("{p}.self_attn"));
+                let q_out = heads * (nope + rope);
+                match q_rank {
+                    Some(r) => t.extend([
+                        w(format!("{a}.q_a_proj.weight"), vec![r, h]),
+                        (format!("{a}.q_a_layernorm.weight"), vec![r], norm),
+                        w(format!("{a}.q_b_proj.weight"), vec![q_out, r]),
+                    ]),
+                    None => t.push(w(format!("{a}.q_proj.weight"), vec![q_out, h])),
+                }
+                t.extend([
+                    w(
+                        format!("{a}.kv_a_proj_with_mqa.weight"),
+                        vec![kv_rank + rope, h],
+                    ),
+                    (format!("{a}.kv_a_layernorm.weight"), vec![kv_rank], norm),
+                    w(
+                        format!("{a}.kv_b_proj.weight"),
+                        vec![heads * (nope + value), kv_rank],
+                    ),
+                    w(format!("{a}.o_proj.weight"), vec![h, heads * value]),
+                ]);
+            } else if self.family == F::Phi3 {
                 t.push(w(
                     format!("{p}.self_attn.qkv_proj.weight"),
                     vec![q + 2 * kv, h],
@@ -264,7 +323,9 @@ impl SyntheticShape {
                 t.push((format!("{p}.self_attn.q_norm.weight"), vec![hd], norm));
                 t.push((format!("{p}.self_attn.k_norm.weight"), vec![hd], norm));
             }
-            t.push(w(format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
+            if !self.family.is_deepseek() {
+                t.push(w(format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
+            }
             t.push((
                 format!("{p}.post_attention_layernorm.weight"),
                 vec![h],
@@ -282,29 +343,42 @@ impl SyntheticShape {
                     norm,
                 ));
             }
-            match self.family {
-                F::Phi3 => t.extend([
+            // DeepSeek's first block keeps a dense MLP.
+            let experts = self
+                .expert_shape()
+                .filter(|_| !(self.family.is_deepseek() && i == 0));
+            match (self.family, experts) {
+                (F::Phi3, _) => t.extend([
                     w(format!("{p}.mlp.gate_up_proj.weight"), vec![2 * ff, h]),
                     w(format!("{p}.mlp.down_proj.weight"), vec![h, ff]),
                 ]),
-                F::Mixtral | F::Qwen3Moe => {
-                    let ex = self.experts.unwrap_or(ExpertShape {
-                        count: 0,
-                        per_token: 0,
-                        size: 0,
-                    });
-                    let (ef, n) = (ex.size, ex.count);
+                (
+                    _,
+                    Some(ExpertShape {
+                        count: n, size: ef, ..
+                    }),
+                ) => {
                     let (m, [gate, up, down]) = if self.family == F::Mixtral {
                         (format!("{p}.block_sparse_moe"), ["w1", "w3", "w2"])
                     } else {
                         (format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"])
                     };
                     t.push(w(format!("{m}.gate.weight"), vec![n, h]));
+                    if self.family == F::DeepseekV3 {
+                        t.push(w(format!("{m}.gate.e_score_correction_bias"), vec![n]));
+                    }
                     for e in 0..n {
                         t.extend([
                             w(format!("{m}.experts.{e}.{gate}.weight"), vec![ef, h]),
                             w(format!("{m}.experts.{e}.{up}.weight"), vec![ef, h]),
                             w(format!("{m}.experts.{e}.{down}.weight"), vec![h, ef]),
+                        ]);
+                    }
+                    if self.family.is_deepseek() {
+                        t.extend([
+                            w(format!("{m}.shared_experts.{gate}.weight"), vec![ef, h]),
+                            w(format!("{m}.shared_experts.{up}.weight"), vec![ef, h]),
+                            w(format!("{m}.shared_experts.{down}.weight"), vec![h, ef]),
                         ]);
                     }
                 }
@@ -345,6 +419,8 @@ impl SyntheticShape {
                 F::Phi3 => "Phi3ForCausalLM",
                 F::Gemma2 => "Gemma2ForCausalLM",
                 F::Gemma3 => "Gemma3ForCausalLM",
+                F::DeepseekV2 => "DeepseekV2ForCausalLM",
+                F::DeepseekV3 => "DeepseekV3ForCausalLM",
             }],
             "model_type": self.family.name(),
             "hidden_size": self.hidden_size,
@@ -369,7 +445,7 @@ impl SyntheticShape {
         });
         let window = self.sliding_window;
         let ex = self
-            .experts
+            .expert_shape()
             .map_or((0, 0, 0), |e| (e.count, e.per_token, e.size));
         let extra = match self.family {
             F::Llama => serde_json::json!({}),
@@ -385,6 +461,24 @@ impl SyntheticShape {
                 "num_experts": ex.0, "num_experts_per_tok": ex.1, "norm_topk_prob": true,
                 "moe_intermediate_size": ex.2, "decoder_sparse_step": 1,
                 "mlp_only_layers": [] }),
+            F::DeepseekV2 | F::DeepseekV3 => {
+                let (q_rank, kv_rank, nope, rope, value) = self.latent_dims();
+                let v3 = self.family == F::DeepseekV3;
+                serde_json::json!({
+                    "q_lora_rank": q_rank, "kv_lora_rank": kv_rank, "qk_nope_head_dim": nope,
+                    "qk_rope_head_dim": rope, "v_head_dim": value, "attention_bias": false,
+                    "num_key_value_heads": self.num_heads,
+                    "n_routed_experts": ex.0, "num_experts_per_tok": ex.1, "moe_intermediate_size": ex.2,
+                    "n_shared_experts": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+                    "topk_method": if v3 { "noaux_tc" } else { "greedy" },
+                    "scoring_func": if v3 { "sigmoid" } else { "softmax" },
+                    "n_group": if v3 { 4 } else { 1 }, "topk_group": if v3 { 2 } else { 1 },
+                    "norm_topk_prob": v3, "routed_scaling_factor": if v3 { 2.5 } else { 1.5 },
+                    "rope_scaling": { "type": "yarn", "factor": 4.0,
+                        "original_max_position_embeddings": self.max_position / 4,
+                        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8 },
+                })
+            }
             F::Gemma2 | F::Gemma3 => serde_json::json!({
                 "hidden_activation": "gelu_pytorch_tanh", "attention_bias": false,
                 "query_pre_attn_scalar": self.head_dim(),

@@ -148,12 +148,17 @@ impl Attention {
         queries: usize,
         context: usize,
     ) -> (usize, usize) {
-        let last = (first_query + queries).min(context);
-        let first = match self.window {
-            Some(w) => (first_query + 1).saturating_sub(w).min(last),
-            None => 0,
-        };
-        (first, last)
+        self.scoring().visible_keys(first_query, queries, context)
+    }
+
+    /// How this layer's scores are scaled, capped and windowed.
+    pub(crate) fn scoring(&self) -> Scoring {
+        Scoring {
+            kv_heads: self.num_kv_heads,
+            scale: self.scale,
+            softcap: self.softcap,
+            window: self.window,
+        }
     }
 
     /// The output projection of every session's attention rows at once.
@@ -183,7 +188,7 @@ impl Attention {
             ))?;
             q.apply_op3_no_bwd(&k, &v, &op)?.reshape((b, h, t, d))?
         } else {
-            self.attend_chunked(q, position, (k, v))?
+            attend_chunked(q, position, (k, v), self.scoring())?
         };
         // One token per sequence: `[b, h, 1, d]` is already laid out as `[b, 1, h * d]`.
         let y = if t == 1 {
@@ -193,81 +198,114 @@ impl Attention {
         };
         Ok(y.to_dtype(q.dtype())?)
     }
+}
 
-    /// Candle ops on any device and dtype, for prompts and caches the in-place kernel does not take: queries in
-    /// chunks of [`QUERY_CHUNK`] rows against each KV head's keys, scores and softmax in f32. `[b, h, t, d]`.
-    fn attend_chunked(
+/// What turns a query's products with the keys into attention weights: which KV head a query head reads, the scale,
+/// the cap and the window.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Scoring {
+    pub kv_heads: usize,
+    /// Multiplies the scores.
+    pub scale: f64,
+    /// `cap * tanh(scores / cap)` before the softmax.
+    pub softcap: Option<f64>,
+    /// Keys at most this many positions back (the query's own included) are seen; `None`: all.
+    pub window: Option<usize>,
+}
+
+impl Scoring {
+    /// The keys `first..last` (of `context` held) that any of `queries` queries from position `first_query` on may
+    /// see: none after the last query, none before the first query's window.
+    pub(crate) fn visible_keys(
         &self,
-        q: &Tensor,
-        position: usize,
-        (k, v): (Tensor, Tensor),
-    ) -> Result<Tensor> {
-        let (b, h, t, d) = q.dims4()?;
-        let group = h / self.num_kv_heads;
-        // Views into the cache's buffers (f32 caches are not copied): matmuls take their strides as they are.
-        let k = k.to_dtype(DType::F32)?;
-        let v = v.to_dtype(DType::F32)?;
-        let context = k.dim(2)?;
-        let q = q
-            .to_dtype(DType::F32)?
-            .reshape((b, self.num_kv_heads, group, t, d))?;
-        let mut chunks = Vec::with_capacity(t.div_ceil(QUERY_CHUNK));
-        for start in (0..t).step_by(QUERY_CHUNK) {
-            let n = QUERY_CHUNK.min(t - start);
-            // A whole step in one chunk (every decode step) needs no copy of its queries.
-            let qc = if n == t {
-                q.clone()
-            } else {
-                q.narrow(3, start, n)?.contiguous()?
-            };
-            let qc = qc.reshape((b, self.num_kv_heads, group * n, d))?;
-            // Keys before the chunk's first query's window, and after its last query, are never seen by any of
-            // its queries: leave them out (a prompt's chunks score about half of the `T x T` pairs, not all).
-            let first_query = position + start;
-            let (first_key, last_key) = self.visible_keys(first_query, n, context);
-            let keys = last_key - first_key;
-            let (kc, vc) = if keys == context {
-                (k.clone(), v.clone())
-            } else {
-                (k.narrow(2, first_key, keys)?, v.narrow(2, first_key, keys)?)
-            };
-            let scores = (qc.matmul(&kc.t()?)? * self.scale)?;
-            let scores = match self.softcap {
-                Some(cap) => ((scores / cap)?.tanh()? * cap)?,
-                None => scores,
-            };
-            let scores = if n > 1 {
-                let mask = attention_mask(
-                    n,
-                    first_query,
-                    first_key,
-                    keys,
-                    self.window,
-                    scores.device(),
-                )?
-                .unsqueeze(0)?
-                .broadcast_as((group, n, keys))?
-                .reshape((group * n, keys))?
-                .broadcast_as(scores.shape())?;
-                let neg_inf = Tensor::new(f32::NEG_INFINITY, scores.device())?
-                    .broadcast_as(scores.shape())?;
-                mask.where_cond(&neg_inf, &scores)?
-            } else {
-                scores
-            };
-            let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-            chunks.push(
-                probs
-                    .matmul(&vc)?
-                    .reshape((b, self.num_kv_heads, group, n, d))?,
-            );
-        }
-        Ok(match chunks.len() {
-            1 => chunks.remove(0),
-            _ => Tensor::cat(&chunks, 3)?,
-        }
-        .reshape((b, h, t, d))?)
+        first_query: usize,
+        queries: usize,
+        context: usize,
+    ) -> (usize, usize) {
+        let last = (first_query + queries).min(context);
+        let first = match self.window {
+            Some(w) => (first_query + 1).saturating_sub(w).min(last),
+            None => 0,
+        };
+        (first, last)
     }
+}
+
+/// Candle ops on any device and dtype, for prompts and caches the in-place kernel does not take: queries in
+/// chunks of [`QUERY_CHUNK`] rows against each KV head's keys, scores and softmax in f32. Queries `[b, h, t,
+/// d]`, keys `[b, kv_heads, context, d]`, values `[b, kv_heads, context, dv]`; returns `[b, h, t, dv]`.
+pub(crate) fn attend_chunked(
+    q: &Tensor,
+    position: usize,
+    (k, v): (Tensor, Tensor),
+    scoring: Scoring,
+) -> Result<Tensor> {
+    let (b, h, t, d) = q.dims4()?;
+    let dv = v.dim(3)?;
+    let group = h / scoring.kv_heads;
+    // Views into the cache's buffers (f32 caches are not copied): matmuls take their strides as they are.
+    let k = k.to_dtype(DType::F32)?;
+    let v = v.to_dtype(DType::F32)?;
+    let context = k.dim(2)?;
+    let q = q
+        .to_dtype(DType::F32)?
+        .reshape((b, scoring.kv_heads, group, t, d))?;
+    let mut chunks = Vec::with_capacity(t.div_ceil(QUERY_CHUNK));
+    for start in (0..t).step_by(QUERY_CHUNK) {
+        let n = QUERY_CHUNK.min(t - start);
+        // A whole step in one chunk (every decode step) needs no copy of its queries.
+        let qc = if n == t {
+            q.clone()
+        } else {
+            q.narrow(3, start, n)?.contiguous()?
+        };
+        let qc = qc.reshape((b, scoring.kv_heads, group * n, d))?;
+        // Keys before the chunk's first query's window, and after its last query, are never seen by any of
+        // its queries: leave them out (a prompt's chunks score about half of the `T x T` pairs, not all).
+        let first_query = position + start;
+        let (first_key, last_key) = scoring.visible_keys(first_query, n, context);
+        let keys = last_key - first_key;
+        let (kc, vc) = if keys == context {
+            (k.clone(), v.clone())
+        } else {
+            (k.narrow(2, first_key, keys)?, v.narrow(2, first_key, keys)?)
+        };
+        let scores = (qc.matmul(&kc.t()?)? * scoring.scale)?;
+        let scores = match scoring.softcap {
+            Some(cap) => ((scores / cap)?.tanh()? * cap)?,
+            None => scores,
+        };
+        let scores = if n > 1 {
+            let mask = attention_mask(
+                n,
+                first_query,
+                first_key,
+                keys,
+                scoring.window,
+                scores.device(),
+            )?
+            .unsqueeze(0)?
+            .broadcast_as((group, n, keys))?
+            .reshape((group * n, keys))?
+            .broadcast_as(scores.shape())?;
+            let neg_inf =
+                Tensor::new(f32::NEG_INFINITY, scores.device())?.broadcast_as(scores.shape())?;
+            mask.where_cond(&neg_inf, &scores)?
+        } else {
+            scores
+        };
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        chunks.push(
+            probs
+                .matmul(&vc)?
+                .reshape((b, scoring.kv_heads, group, n, dv))?,
+        );
+    }
+    Ok(match chunks.len() {
+        1 => chunks.remove(0),
+        _ => Tensor::cat(&chunks, 3)?,
+    }
+    .reshape((b, h, t, dv))?)
 }
 
 /// `[rows, keys]`, 1 where query `i` (at position `first_query + i`) must not see key `j` (at position

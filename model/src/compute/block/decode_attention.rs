@@ -164,7 +164,10 @@ mod tests {
     /// arena) and session by session for another (tensors of their own). Outputs agree to f32 rounding, and the
     /// caches are equal.
     fn same_as_each_alone(block: &Block, hidden: usize, prompts: &[usize], decode: usize) {
-        let attn = &block.attn;
+        // Latent attention (DeepSeek) never takes this path.
+        let Some(attn) = block.grouped_attention() else {
+            return;
+        };
         let device = block.placement().device.clone();
         for kv_dtype in [DType::F32, DType::F16] {
             let placement = Placement::new(device.clone(), kv_dtype);
@@ -294,7 +297,9 @@ mod tests {
     fn steps_of_another_kind_are_left_to_the_other_paths() {
         let path = super::super::test_blocks::default_model();
         let (blocks, hidden) = blocks_of(&path, &Device::Cpu);
-        let attn = &blocks[0].attn;
+        let attn = blocks[0]
+            .grouped_attention()
+            .expect("a grouped-query block");
         let arena = |dtype| KvArena::new(Placement::new(Device::Cpu, dtype), 3, 64, None);
         let f32_arena = arena(DType::F32);
         let mut caches = [

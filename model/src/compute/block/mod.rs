@@ -6,6 +6,7 @@ mod flash_attention;
 mod host_attention;
 mod kv_arena;
 mod kv_cache;
+mod latent_attention;
 // Only the x86 SwiGLU path uses it.
 #[cfg(target_arch = "x86_64")]
 mod libm_exp;
@@ -21,8 +22,10 @@ use attention::SessionRows;
 
 use kv_arena::KvArena;
 pub use kv_cache::KvCache;
+pub use latent_attention::{LatentAttention, QueryProjection};
 pub use mlp::Mlp;
 pub use moe::MixtureOfExperts;
+use moe::Routing;
 pub use rope::{Rope, RopeParams};
 
 use crate::compute::linear::{Linear, Stacked};
@@ -33,6 +36,34 @@ use crate::compute::weights::{BlockTensor, Weight, WeightSource};
 use crate::error::{ModelError, Result};
 use candle_core::{DType, Tensor};
 use std::sync::{Arc, Mutex};
+
+/// The block's self-attention: grouped-query, or latent (DeepSeek).
+#[derive(Debug, Clone)]
+pub enum SelfAttention {
+    Grouped(Attention),
+    Latent(LatentAttention),
+}
+
+impl SelfAttention {
+    /// The KV heads of this block's cache and the width of each of its two halves.
+    fn cache_shape(&self) -> (usize, usize) {
+        match self {
+            Self::Grouped(a) => (a.num_kv_heads, a.head_dim),
+            Self::Latent(a) => a.cache_shape(),
+        }
+    }
+
+    /// Attention over `x` (normed rows of every session in `sessions`), through the output projection.
+    fn forward(&self, x: &Tensor, sessions: &mut [SessionRows<'_>]) -> Result<Tensor> {
+        match self {
+            Self::Grouped(a) => {
+                let projected = a.project(x)?;
+                a.output(&a.attend_all(&projected, sessions)?)
+            }
+            Self::Latent(a) => a.forward(x, sessions),
+        }
+    }
+}
 
 /// The block's feed-forward: one gated MLP, or a mixture of them.
 #[derive(Debug, Clone)]
@@ -55,7 +86,7 @@ pub struct Block {
     index: usize,
     placement: Placement,
     attn_norm: RmsNorm,
-    attn: Attention,
+    attn: SelfAttention,
     /// Norm of the attention's output before its residual (Gemma).
     post_attn_norm: Option<RmsNorm>,
     ffn_norm: RmsNorm,
@@ -105,32 +136,85 @@ impl Block {
         let matmul = |t: BlockTensor, out: usize, inp: usize| -> Result<Linear> {
             get(t, &[out, inp])?.matmul(p)
         };
-        let qkv = if o.fused_projections {
-            Stacked::split(
-                matmul(BlockTensor::Qkv, q_dim + 2 * kv_dim, h)?,
-                vec![q_dim, kv_dim, kv_dim],
-            )
-        } else {
-            Stacked::new(vec![
-                matmul(BlockTensor::Q, q_dim, h)?,
-                matmul(BlockTensor::K, kv_dim, h)?,
-                matmul(BlockTensor::V, kv_dim, h)?,
-            ])?
-        };
-        let qkv_bias = if o.qkv_bias {
-            let bias = |t: BlockTensor, n: usize| get(t, &[n])?.dense(p);
-            Some([
-                bias(BlockTensor::QBias, q_dim)?,
-                bias(BlockTensor::KBias, kv_dim)?,
-                bias(BlockTensor::VBias, kv_dim)?,
-            ])
-        } else {
-            None
-        };
-        let qk_norm = if o.qk_norm {
-            Some([norm(BlockTensor::QNorm, hd)?, norm(BlockTensor::KNorm, hd)?])
-        } else {
-            None
+        let attn = match &o.latent_attention {
+            Some(l) => {
+                let heads = spec.num_heads;
+                let q_out = heads * l.query_dim();
+                let q = match l.q_rank {
+                    Some(r) => QueryProjection::LowRank {
+                        down: matmul(BlockTensor::QDown, r, h)?,
+                        norm: norm(BlockTensor::QDownNorm, r)?,
+                        up: matmul(BlockTensor::QUp, q_out, r)?,
+                    },
+                    None => QueryProjection::Full(matmul(BlockTensor::Q, q_out, h)?),
+                };
+                let kv_up = get(
+                    BlockTensor::KvUp,
+                    &[heads * (l.nope_dim + l.value_dim), l.kv_rank],
+                )?
+                .dense(p)?;
+                let (key_up, value_up) =
+                    LatentAttention::split_expansion(&kv_up, heads, l.nope_dim, l.value_dim)?;
+                // YaRN's temperature, squared, on top of 1/sqrt(query width).
+                let mscale = o.yarn.map_or(1.0, |y| y.get_mscale(y.mscale_all_dim)) as f64;
+                SelfAttention::Latent(LatentAttention {
+                    q,
+                    kv_down: matmul(BlockTensor::KvDown, l.latent_dim(), h)?,
+                    kv_norm: norm(BlockTensor::KvDownNorm, l.kv_rank)?,
+                    key_up,
+                    value_up,
+                    o: matmul(BlockTensor::O, h, heads * l.value_dim)?,
+                    num_heads: heads,
+                    kv_rank: l.kv_rank,
+                    nope_dim: l.nope_dim,
+                    rope_dim: l.rope_dim,
+                    value_dim: l.value_dim,
+                    scale: mscale * mscale / (l.query_dim() as f64).sqrt(),
+                    rope,
+                })
+            }
+            None => {
+                let qkv = if o.fused_projections {
+                    Stacked::split(
+                        matmul(BlockTensor::Qkv, q_dim + 2 * kv_dim, h)?,
+                        vec![q_dim, kv_dim, kv_dim],
+                    )
+                } else {
+                    Stacked::new(vec![
+                        matmul(BlockTensor::Q, q_dim, h)?,
+                        matmul(BlockTensor::K, kv_dim, h)?,
+                        matmul(BlockTensor::V, kv_dim, h)?,
+                    ])?
+                };
+                let qkv_bias = if o.qkv_bias {
+                    let bias = |t: BlockTensor, n: usize| get(t, &[n])?.dense(p);
+                    Some([
+                        bias(BlockTensor::QBias, q_dim)?,
+                        bias(BlockTensor::KBias, kv_dim)?,
+                        bias(BlockTensor::VBias, kv_dim)?,
+                    ])
+                } else {
+                    None
+                };
+                let qk_norm = if o.qk_norm {
+                    Some([norm(BlockTensor::QNorm, hd)?, norm(BlockTensor::KNorm, hd)?])
+                } else {
+                    None
+                };
+                SelfAttention::Grouped(Attention {
+                    qkv,
+                    qkv_bias,
+                    qk_norm,
+                    o: matmul(BlockTensor::O, h, q_dim)?,
+                    num_heads: spec.num_heads,
+                    num_kv_heads: spec.num_kv_heads,
+                    head_dim: spec.head_dim,
+                    scale: 1.0 / o.query_pre_attn_scalar.unwrap_or(hd as f64).sqrt(),
+                    softcap: o.attn_softcap,
+                    window: spec.window(index),
+                    rope,
+                })
+            }
         };
         let mlp = |[gate, up, down]: [BlockTensor; 3], ff: usize| -> Result<Mlp> {
             Ok(Mlp {
@@ -149,8 +233,26 @@ impl Block {
                         mlp([ExpertGate(e), ExpertUp(e), ExpertDown(e)], m.expert_size)
                     })
                     .collect::<Result<_>>()?,
-                experts_per_token: m.experts_per_token,
-                normalize_top_k: m.normalize_top_k,
+                routing: Routing {
+                    experts_per_token: m.experts_per_token,
+                    scoring: m.scoring,
+                    normalize_top_k: m.normalize_top_k,
+                    groups: m.groups,
+                    choice_bias: if m.choice_bias {
+                        let bias = get(BlockTensor::RouterBias, &[m.num_experts])?.dense(p)?;
+                        Some(bias.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+                    } else {
+                        None
+                    },
+                    routed_scale: m.routed_scale,
+                },
+                shared: m
+                    .shared_size
+                    .map(|size| {
+                        use BlockTensor::{SharedDown, SharedGate, SharedUp};
+                        mlp([SharedGate, SharedUp, SharedDown], size)
+                    })
+                    .transpose()?,
             }),
             (None, true) => FeedForward::Mlp(Mlp {
                 gate_up: Stacked::split(matmul(BlockTensor::GateUp, 2 * ff, h)?, vec![ff, ff]),
@@ -168,19 +270,7 @@ impl Block {
         Ok(Self {
             index,
             attn_norm: norm(BlockTensor::AttnNorm, h)?,
-            attn: Attention {
-                qkv,
-                qkv_bias,
-                qk_norm,
-                o: matmul(BlockTensor::O, h, q_dim)?,
-                num_heads: spec.num_heads,
-                num_kv_heads: spec.num_kv_heads,
-                head_dim: spec.head_dim,
-                scale: 1.0 / o.query_pre_attn_scalar.unwrap_or(hd as f64).sqrt(),
-                softcap: o.attn_softcap,
-                window: spec.window(index),
-                rope,
-            },
+            attn,
             post_attn_norm: sandwich(BlockTensor::PostAttnNorm)?,
             ffn_norm: norm(BlockTensor::FfnNorm, h)?,
             ffn,
@@ -196,6 +286,15 @@ impl Block {
 
     pub fn placement(&self) -> &Placement {
         &self.placement
+    }
+
+    /// The grouped-query attention, for tests of its kernels.
+    #[cfg(test)]
+    pub(crate) fn grouped_attention(&self) -> Option<&Attention> {
+        match &self.attn {
+            SelfAttention::Grouped(a) => Some(a),
+            SelfAttention::Latent(_) => None,
+        }
     }
 
     /// A fresh, empty KV cache on this block's device, in `kv_dtype` (default: the block's compute dtype), for at
@@ -224,7 +323,7 @@ impl Block {
         {
             Some(arena) => arena.clone(),
             None => {
-                let (heads, dim) = (self.attn.num_kv_heads, self.attn.head_dim);
+                let (heads, dim) = self.attn.cache_shape();
                 let arena = KvArena::new(placement, heads, dim, kv_budget);
                 arenas.push(arena.clone());
                 arena
@@ -266,9 +365,7 @@ impl Block {
         let _span =
             tracing::trace_span!("block", index = self.index, sessions = sessions.len()).entered();
         let x = normalise(x, &self.placement)?;
-        let projected = self.attn.project(&self.attn_norm.forward(&x)?)?;
-        let y = self.attn.attend_all(&projected, sessions)?;
-        let y = self.attn.output(&y)?;
+        let y = self.attn.forward(&self.attn_norm.forward(&x)?, sessions)?;
         let y = match &self.post_attn_norm {
             Some(n) => n.forward(&y)?,
             None => y,

@@ -1,4 +1,5 @@
 //! Rotary position embeddings: cos/sin tables built once per placement, applied with candle's fused kernels.
+use crate::compute::family::Yarn;
 use crate::compute::placement::Placement;
 use crate::compute::spec::{ModelSpec, RopeStyle};
 use crate::error::{ModelError, Result};
@@ -57,9 +58,18 @@ impl Rope {
             .reshape((spec.max_position, 1))?;
         // Angles in f32, then cast: the tables are as exact as the dtype allows.
         let angles = positions.matmul(&inv_freq)?;
+        let (cos, sin) = (angles.cos()?, angles.sin()?);
+        // YaRN scales the tables by its magnitude ratio (1 when `mscale` equals `mscale_all_dim`).
+        let (cos, sin) = match spec.options.yarn.filter(|_| params.linear_factor.is_none()) {
+            Some(y) => {
+                let m = (y.get_mscale(y.mscale) / y.get_mscale(y.mscale_all_dim)) as f64;
+                ((cos * m)?, (sin * m)?)
+            }
+            None => (cos, sin),
+        };
         Ok(Self {
-            cos: angles.cos()?.to_dtype(p.dtype)?,
-            sin: angles.sin()?.to_dtype(p.dtype)?,
+            cos: cos.to_dtype(p.dtype)?,
+            sin: sin.to_dtype(p.dtype)?,
             style: spec.rope_style,
             max_position: spec.max_position,
         })
@@ -186,15 +196,18 @@ impl HostRope<'_> {
     }
 }
 
-/// Per-pair inverse frequencies, with linear or Llama 3 scaling when the config asks for it.
+/// Per-pair inverse frequencies, with linear, YaRN or Llama 3 scaling when the config asks for it.
 fn inverse_frequencies(spec: &ModelSpec, params: RopeParams) -> Vec<f32> {
-    let d = spec.head_dim;
+    let d = spec.rope_dim();
     let base: Vec<f32> = (0..d)
         .step_by(2)
         .map(|i| 1f32 / params.theta.powf(i as f32 / d as f32))
         .collect();
     if let Some(factor) = params.linear_factor {
         return base.into_iter().map(|f| f / factor).collect();
+    }
+    if let Some(y) = spec.options.yarn {
+        return yarn_frequencies(d, params.theta, y);
     }
     let Some(s) = spec.rope_scaling else {
         return base;
@@ -214,6 +227,29 @@ fn inverse_frequencies(spec: &ModelSpec, params: RopeParams) -> Vec<f32> {
                     / (s.high_freq_factor - s.low_freq_factor);
                 (1.0 - smooth) * freq / s.factor + smooth * freq
             }
+        })
+        .collect()
+}
+
+/// YaRN's blend (as DeepSeek's HF code computes it): pairs rotating fewer than `beta_slow` times over the original
+/// context are interpolated by `factor`, those rotating more than `beta_fast` times kept, a linear ramp between.
+fn yarn_frequencies(d: usize, theta: f32, y: Yarn) -> Vec<f32> {
+    let correction_dim = |rotations: f32| {
+        d as f32 * (y.original_max_position as f32 / (rotations * 2.0 * std::f32::consts::PI)).ln()
+            / (2.0 * theta.ln())
+    };
+    let low = correction_dim(y.beta_fast).floor().max(0.0);
+    let mut high = correction_dim(y.beta_slow).ceil().min(d as f32 - 1.0);
+    if low == high {
+        high += 0.001;
+    }
+    (0..d / 2)
+        .map(|j| {
+            let power = theta.powf((2 * j) as f32 / d as f32);
+            let (extra, inter) = (1.0 / power, 1.0 / (y.factor * power));
+            let ramp = ((j as f32 - low) / (high - low)).clamp(0.0, 1.0);
+            let keep = 1.0 - ramp;
+            inter * (1.0 - keep) + extra * keep
         })
         .collect()
 }

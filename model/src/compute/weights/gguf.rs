@@ -92,14 +92,13 @@ impl GgufWeights {
     /// (`ffn_gate.{e}.weight`) that older Mixtral conversions wrote.
     fn load_expert(
         &self,
-        block: usize,
-        matrix: &str,
+        stacked: &str,
         expert: usize,
+        legacy: &str,
         device: &Device,
     ) -> Result<Weight> {
-        let stacked = format!("blk.{block}.ffn_{matrix}_exps.weight");
-        let Some(info) = self.content.tensor_infos.get(&stacked) else {
-            return self.load(&format!("blk.{block}.ffn_{matrix}.{expert}.weight"), device);
+        let Some(info) = self.content.tensor_infos.get(stacked) else {
+            return self.load(legacy, device);
         };
         let corrupt = |reason: String| ModelError::Corrupt {
             format: "GGUF",
@@ -133,7 +132,7 @@ impl GgufWeights {
             device,
         )
         .map_err(|e| corrupt(e.to_string()))?;
-        self.log.record(&stacked, q.storage_size_in_bytes());
+        self.log.record(stacked, q.storage_size_in_bytes());
         Ok(Weight::Quantized(Arc::new(q)))
     }
 }
@@ -164,18 +163,31 @@ fn gguf_block_name(block: usize, t: BlockTensor) -> String {
         BlockTensor::ExpertGate(e) => format!("ffn_gate.{e}.weight"),
         BlockTensor::ExpertUp(e) => format!("ffn_up.{e}.weight"),
         BlockTensor::ExpertDown(e) => format!("ffn_down.{e}.weight"),
+        BlockTensor::SharedGate => "ffn_gate_shexp.weight".into(),
+        BlockTensor::SharedUp => "ffn_up_shexp.weight".into(),
+        BlockTensor::SharedDown => "ffn_down_shexp.weight".into(),
+        BlockTensor::RouterBias => "exp_probs_b.bias".into(),
+        BlockTensor::QDown => "attn_q_a.weight".into(),
+        BlockTensor::QDownNorm => "attn_q_a_norm.weight".into(),
+        BlockTensor::QUp => "attn_q_b.weight".into(),
+        BlockTensor::KvDown => "attn_kv_a_mqa.weight".into(),
+        BlockTensor::KvDownNorm => "attn_kv_a_norm.weight".into(),
+        BlockTensor::KvUp => "attn_kv_b.weight".into(),
     };
     format!("blk.{block}.{leaf}")
 }
 
 impl WeightSource for GgufWeights {
     fn load_block(&self, block: usize, t: BlockTensor, device: &Device) -> Result<Weight> {
-        match t {
-            BlockTensor::ExpertGate(e) => self.load_expert(block, "gate", e, device),
-            BlockTensor::ExpertUp(e) => self.load_expert(block, "up", e, device),
-            BlockTensor::ExpertDown(e) => self.load_expert(block, "down", e, device),
-            _ => self.load(&gguf_block_name(block, t), device),
-        }
+        let name = gguf_block_name(block, t);
+        let (matrix, expert) = match t {
+            BlockTensor::ExpertGate(e) => ("gate", e),
+            BlockTensor::ExpertUp(e) => ("up", e),
+            BlockTensor::ExpertDown(e) => ("down", e),
+            _ => return self.load(&name, device),
+        };
+        let stacked = format!("blk.{block}.ffn_{matrix}_exps.weight");
+        self.load_expert(&stacked, expert, &name, device)
     }
 
     fn load_head(&self, t: HeadTensor, device: &Device) -> Result<Option<Weight>> {

@@ -54,6 +54,22 @@ pub enum BlockTensor {
     ExpertGate(usize),
     ExpertUp(usize),
     ExpertDown(usize),
+    /// The experts every token goes through (DeepSeek), one SwiGLU MLP.
+    SharedGate,
+    SharedUp,
+    SharedDown,
+    /// Per-expert bias of the scores used to choose experts (DeepSeek-V3), `[experts]`.
+    RouterBias,
+    /// Latent attention (DeepSeek): the low-rank query projection (down, its norm, up), the projection to the
+    /// latent and the rotated key `[kv_rank + rope_dim, hidden]`, the latent's norm, and the latent's expansion to
+    /// every head's key (non-rotated part) and value `[heads * (nope_dim + value_dim), kv_rank]`. Without a
+    /// low-rank query, `Q` is the query projection.
+    QDown,
+    QDownNorm,
+    QUp,
+    KvDown,
+    KvDownNorm,
+    KvUp,
 }
 
 /// How a family names its tensors in Hugging Face checkpoints, where that differs from Llama's.

@@ -99,6 +99,16 @@ pub(crate) fn hf_block_name(layout: HfLayout, block: usize, t: BlockTensor) -> S
         BlockTensor::ExpertGate(e) => format!("mlp.experts.{e}.gate_proj.weight"),
         BlockTensor::ExpertUp(e) => format!("mlp.experts.{e}.up_proj.weight"),
         BlockTensor::ExpertDown(e) => format!("mlp.experts.{e}.down_proj.weight"),
+        BlockTensor::SharedGate => "mlp.shared_experts.gate_proj.weight".into(),
+        BlockTensor::SharedUp => "mlp.shared_experts.up_proj.weight".into(),
+        BlockTensor::SharedDown => "mlp.shared_experts.down_proj.weight".into(),
+        BlockTensor::RouterBias => "mlp.gate.e_score_correction_bias".into(),
+        BlockTensor::QDown => "self_attn.q_a_proj.weight".into(),
+        BlockTensor::QDownNorm => "self_attn.q_a_layernorm.weight".into(),
+        BlockTensor::QUp => "self_attn.q_b_proj.weight".into(),
+        BlockTensor::KvDown => "self_attn.kv_a_proj_with_mqa.weight".into(),
+        BlockTensor::KvDownNorm => "self_attn.kv_a_layernorm.weight".into(),
+        BlockTensor::KvUp => "self_attn.kv_b_proj.weight".into(),
     };
     format!("model.layers.{block}.{leaf}")
 }
