@@ -7,7 +7,7 @@ use petal_model::BlockRange;
 use petal_proto::pb::ErrorCode;
 use petal_tests::*;
 use serde_json::Value;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -68,6 +68,26 @@ fn peak_rss(node: &Node) -> u64 {
     proc_status_bytes(node.proc.pid(), "VmHWM")
 }
 
+/// Eight tokens sampled at temperature 1 with one seed through the swarm equal the local run's (random weights make
+/// greedy decoding repeat one token, which would hide a wrong block).
+fn assert_swarm_samples_as_local(swarm: &Swarm, model: &Path, timeout: Duration) {
+    let sampled = |g: Generate| {
+        g.max_new_tokens(8)
+            .ignore_eos()
+            .args(&["--temperature", "1", "--seed", "7"])
+            .timeout(timeout)
+            .run_json()
+    };
+    let prompt = "The capital of France is";
+    let local = sampled(Generate::new(model, prompt).local());
+    let remote = sampled(swarm.generate(model, prompt));
+    assert_eq!(local.tokens.len(), 8);
+    assert_eq!(
+        remote.tokens, local.tokens,
+        "the swarm's tokens differ from the local run's"
+    );
+}
+
 /// Three nodes, each with a budget below the model's size, serve it and give the local run's tokens (sampled at
 /// temperature 1 with one seed: random weights make greedy decoding repeat one token, which would hide a wrong
 /// block). Each node's KV budget is what the bytes leave (--cache-tokens asks far more), and a session longer
@@ -91,21 +111,7 @@ fn three_nodes_each_below_the_models_size_serve_it_as_the_local_run_does() {
         );
     }
 
-    let sampled = |g: Generate| {
-        g.max_new_tokens(8)
-            .ignore_eos()
-            .args(&["--temperature", "1", "--seed", "7"])
-            .timeout(Duration::from_secs(600))
-            .run_json()
-    };
-    let prompt = "The capital of France is";
-    let local = sampled(Generate::new(&model, prompt).local());
-    let remote = sampled(swarm.generate(&model, prompt));
-    assert_eq!(local.tokens.len(), 8);
-    assert_eq!(
-        remote.tokens, local.tokens,
-        "the swarm's tokens differ from the local run's"
-    );
+    assert_swarm_samples_as_local(&swarm, &model, Duration::from_secs(600));
 
     let node = &swarm.nodes[0];
     let total = records
@@ -208,21 +214,7 @@ fn a_mixture_of_experts_no_node_holds_is_split_over_three_and_equals_the_local_r
             "{r}"
         );
     }
-    let sampled = |g: Generate| {
-        g.max_new_tokens(8)
-            .ignore_eos()
-            .args(&["--temperature", "1", "--seed", "7"])
-            .timeout(Duration::from_secs(300))
-            .run_json()
-    };
-    let prompt = "The capital of France is";
-    let local = sampled(Generate::new(&model, prompt).local());
-    let remote = sampled(swarm.generate(&model, prompt));
-    assert_eq!(local.tokens.len(), 8);
-    assert_eq!(
-        remote.tokens, local.tokens,
-        "the swarm's tokens differ from the local run's"
-    );
+    assert_swarm_samples_as_local(&swarm, &model, Duration::from_secs(300));
     for node in &swarm.nodes {
         assert!(
             peak_rss(node) <= MOE_BUDGET_BYTES,
