@@ -258,13 +258,15 @@ fn gguf_arch(family: SyntheticFamily) -> &'static str {
     match family {
         SyntheticFamily::Mixtral => "llama",
         SyntheticFamily::Qwen3Moe => "qwen3moe",
+        SyntheticFamily::DeepseekV2 | SyntheticFamily::DeepseekV3 => "deepseek2",
         f => f.name().trim_end_matches("_text"),
     }
 }
 
 /// The synthetic model of `family` converted to GGUF the way llama.cpp's converter lays it out (its tensor names
-/// and metadata keys; Gemma's norms stored with their 1 added), matrices in `matrices`, vectors and routers in
-/// f32, experts laid out as `experts` says.
+/// and metadata keys; Gemma's norms stored with their 1 added; DeepSeek's latent expansion split per head into
+/// `attn_k_b` (transposed) and `attn_v_b`), matrices in `matrices`, vectors, routers and 3-D tensors in f32,
+/// experts laid out as `experts` says.
 fn write_gguf(
     hf: &Path,
     family: SyntheticFamily,
@@ -277,6 +279,36 @@ fn write_gguf(
     let mut st =
         candle_core::safetensors::load(hf.join("model.safetensors"), &Device::Cpu).unwrap();
     let gemma = arch.starts_with("gemma");
+    let shape = SHAPE.with_family(family);
+    let (q_rank, kv_rank, nope, rope, value) = shape.latent_dims();
+    let kv_ups: Vec<(String, Tensor)> = st
+        .iter()
+        .filter(|(name, _)| name.ends_with("self_attn.kv_b_proj.weight"))
+        .map(|(name, t)| (name.clone(), t.clone()))
+        .collect();
+    let mut split_tensors: Vec<(String, Tensor)> = vec![];
+    for (name, kv_up) in kv_ups {
+        st.remove(&name);
+        let block = name
+            .strip_prefix("model.layers.")
+            .unwrap()
+            .split('.')
+            .next()
+            .unwrap();
+        let w = kv_up
+            .reshape((shape.num_heads, nope + value, kv_rank))
+            .unwrap();
+        let k_b = w
+            .narrow(1, 0, nope)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap();
+        let v_b = w.narrow(1, nope, value).unwrap().contiguous().unwrap();
+        split_tensors.push((format!("blk.{block}.attn_k_b.weight"), k_b));
+        split_tensors.push((format!("blk.{block}.attn_v_b.weight"), v_b));
+    }
     // Experts, by (block, GGUF matrix name), in expert order.
     let mut expert_mats: std::collections::BTreeMap<(usize, &str), Vec<(usize, Tensor)>> =
         Default::default();
@@ -326,6 +358,15 @@ fn write_gguf(
                 "mlp.up_proj.weight" | "mlp.gate_up_proj.weight" => "ffn_up.weight",
                 "mlp.down_proj.weight" => "ffn_down.weight",
                 "block_sparse_moe.gate.weight" | "mlp.gate.weight" => "ffn_gate_inp.weight",
+                "mlp.gate.e_score_correction_bias" => "exp_probs_b.bias",
+                "mlp.shared_experts.gate_proj.weight" => "ffn_gate_shexp.weight",
+                "mlp.shared_experts.up_proj.weight" => "ffn_up_shexp.weight",
+                "mlp.shared_experts.down_proj.weight" => "ffn_down_shexp.weight",
+                "self_attn.q_a_proj.weight" => "attn_q_a.weight",
+                "self_attn.q_a_layernorm.weight" => "attn_q_a_norm.weight",
+                "self_attn.q_b_proj.weight" => "attn_q_b.weight",
+                "self_attn.kv_a_proj_with_mqa.weight" => "attn_kv_a_mqa.weight",
+                "self_attn.kv_a_layernorm.weight" => "attn_kv_a_norm.weight",
                 other => panic!("no GGUF name for {other}"),
             }
         };
@@ -358,6 +399,11 @@ fn write_gguf(
             (name, QTensor::quantize(&t, dtype).unwrap())
         })
         .collect();
+    tensors.extend(
+        split_tensors
+            .into_iter()
+            .map(|(name, t)| (name, QTensor::quantize(&t, GgmlDType::F32).unwrap())),
+    );
     for ((block, matrix), mut mats) in expert_mats {
         mats.sort_by_key(|(e, _)| *e);
         match experts {
@@ -404,13 +450,72 @@ fn write_gguf(
             gguf_file::Value::F32(1e-5),
         ),
     ];
-    if let Some(ex) = SHAPE.with_family(family).expert_shape() {
+    if let Some(ex) = shape.expert_shape() {
         md.extend([
             (k("expert_count"), u(ex.count)),
             (k("expert_used_count"), u(ex.per_token)),
         ]);
-        if family == SyntheticFamily::Qwen3Moe {
+        if matches!(arch, "qwen3moe" | "deepseek2") {
             md.push((k("expert_feed_forward_length"), u(ex.size)));
+        }
+    }
+    if arch == "deepseek2" {
+        // As llama.cpp's converter writes an MLA file: one KV head of the latent, the per-head widths apart.
+        let cached = [
+            "attention.head_count_kv",
+            "attention.key_length",
+            "attention.value_length",
+            "rope.dimension_count",
+        ];
+        md.retain(|(key, _)| !cached.iter().any(|c| *key == k(c)));
+        let config = shape.config_json(WeightDType::F32);
+        let f = |v: f64| gguf_file::Value::F32(v as f32);
+        let v3 = family == SyntheticFamily::DeepseekV3;
+        md.extend([
+            (k("attention.head_count_kv"), u(1)),
+            (k("attention.key_length"), u(kv_rank + rope)),
+            (k("attention.value_length"), u(kv_rank)),
+            (k("attention.key_length_mla"), u(nope + rope)),
+            (k("attention.value_length_mla"), u(value)),
+            (k("attention.kv_lora_rank"), u(kv_rank)),
+            (k("rope.dimension_count"), u(rope)),
+            (k("leading_dense_block_count"), u(1)),
+            (k("expert_shared_count"), u(1)),
+            (
+                k("expert_weights_scale"),
+                f(config["routed_scaling_factor"].as_f64().unwrap()),
+            ),
+            (k("expert_weights_norm"), gguf_file::Value::Bool(v3)),
+            (k("expert_gating_func"), u(if v3 { 2 } else { 1 })),
+            (
+                k("expert_group_count"),
+                u(config["n_group"].as_u64().unwrap() as usize),
+            ),
+            (
+                k("expert_group_used_count"),
+                u(config["topk_group"].as_u64().unwrap() as usize),
+            ),
+            (
+                k("rope.scaling.type"),
+                gguf_file::Value::String("yarn".into()),
+            ),
+            (
+                k("rope.scaling.factor"),
+                f(config["rope_scaling"]["factor"].as_f64().unwrap()),
+            ),
+            (
+                k("rope.scaling.original_context_length"),
+                u(config["rope_scaling"]["original_max_position_embeddings"]
+                    .as_u64()
+                    .unwrap() as usize),
+            ),
+            (
+                k("rope.scaling.yarn_log_multiplier"),
+                f(0.1 * config["rope_scaling"]["mscale_all_dim"].as_f64().unwrap()),
+            ),
+        ]);
+        if let Some(r) = q_rank {
+            md.push((k("attention.q_lora_rank"), u(r)));
         }
     }
     if arch == "gemma2" {
@@ -547,6 +652,46 @@ fn qwen3moe_gguf_matches_candle_qwen3_moe() {
         let (json, vb) = hf_files(path.parent().unwrap());
         recomputing!(qwen3_moe::ModelForCausalLM::new(&config(&json), vb).unwrap())
     });
+}
+
+/// A `deepseek2` GGUF in f32 as llama.cpp's converter writes an MLA file (one latent KV head, the expansion split
+/// per head with the key's transposed, YaRN's temperature as a log multiplier) against candle's HF DeepSeek-V2.
+#[test]
+fn deepseek2_gguf_matches_candle_deepseek2() {
+    check_gguf_with(
+        SyntheticFamily::DeepseekV2,
+        GgmlDType::F32,
+        Experts::Stacked,
+        |path| {
+            let (json, vb) = hf_files(path.parent().unwrap());
+            recomputing!(deepseek2::DeepSeekV2::new(&config(&json), vb).unwrap())
+        },
+    );
+}
+
+/// DeepSeek-V3's routing from GGUF metadata (sigmoid gating, groups, the `exp_probs_b` bias, renormalised and
+/// scaled weights) and one query projection: the same logits as the HF original it was converted from, run by
+/// our HF path (which the routing's unit tests and candle's V2 check).
+#[test]
+fn deepseek2_gguf_of_v3_equals_its_hf_original() {
+    check_gguf_with(
+        SyntheticFamily::DeepseekV3,
+        GgmlDType::F32,
+        Experts::Stacked,
+        |path| {
+            let source = ModelSource::open(path).unwrap();
+            let m = source.spec().options.moe.clone().unwrap();
+            assert!(
+                m.choice_bias && m.groups.is_some() && m.normalize_top_k,
+                "{m:?}"
+            );
+            let hf = ModelSource::open(path.parent().unwrap()).unwrap();
+            Box::new(move |x| {
+                let ids = x.flatten_all().unwrap().to_vec1::<u32>().unwrap();
+                Composed::new(&hf, &[(0, 6)]).logits(&ids)
+            })
+        },
+    );
 }
 
 #[test]

@@ -7,6 +7,7 @@
 pub mod block;
 pub mod block_range;
 mod cuda;
+mod deepseek_gguf;
 pub mod family;
 pub(crate) mod gathering;
 pub mod hash_cache;

@@ -1,6 +1,7 @@
 //! Opening a model from disk: detect the format, read its description, and hand out spans and heads that read only
 //! their own tensors.
 use crate::compute::block_range::BlockRange;
+use crate::compute::deepseek_gguf::deepseek2_options;
 use crate::compute::family::{Activation, FamilyOptions, Moe, SlidingWindow};
 use crate::compute::hash_cache::HashCache;
 use crate::compute::head::Head;
@@ -389,7 +390,7 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
         .unwrap_or_default();
     if !matches!(
         arch.as_str(),
-        "llama" | "qwen2" | "qwen3" | "qwen3moe" | "phi3" | "gemma2" | "gemma3"
+        "llama" | "qwen2" | "qwen3" | "qwen3moe" | "phi3" | "gemma2" | "gemma3" | "deepseek2"
     ) {
         return Err(ModelError::UnknownArchitecture(arch));
     }
@@ -403,21 +404,30 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
     let f32_opt = |key: &str| get(key).and_then(|v| v.to_f32().ok());
     let f32_or = |key: &str, default: f32| f32_opt(key).unwrap_or(default);
     let blocks = need_u32("block_count")?;
-    let moe = gguf_moe(
-        &arch,
-        &need_u32,
-        |b| w.has_tensor(&format!("blk.{b}.ffn_gate_inp.weight")),
-        blocks,
-    )?;
+    let deepseek = (arch == "deepseek2")
+        .then(|| deepseek2_options(md, |t| w.has_tensor(t), blocks))
+        .transpose()?;
+    let moe = match &deepseek {
+        Some(d) => d.moe.clone(),
+        None => gguf_moe(
+            &arch,
+            &need_u32,
+            |b| w.has_tensor(&format!("blk.{b}.ffn_gate_inp.weight")),
+            blocks,
+        )?,
+    };
     let hidden = need_u32("embedding_length")?;
     let heads = need_u32("attention.head_count")?;
-    let head_dim = need_u32("attention.key_length")
-        .or_else(|_| need_u32("rope.dimension_count"))
-        .or_else(|_| {
-            hidden
-                .checked_div(heads)
-                .ok_or_else(|| ModelError::Config("head_count is 0".into()))
-        })?;
+    let head_dim = match &deepseek {
+        Some(d) => Ok(d.latent.query_dim()),
+        None => need_u32("attention.key_length")
+            .or_else(|_| need_u32("rope.dimension_count"))
+            .or_else(|_| {
+                hidden
+                    .checked_div(heads)
+                    .ok_or_else(|| ModelError::Config("head_count is 0".into()))
+            }),
+    }?;
     let vocab = match w.tensor_dims("token_embd.weight") {
         Some(d) if d.len() == 2 => d[0],
         _ => {
@@ -469,7 +479,8 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
         },
         fused_projections: arch == "phi3",
         moe,
-        ..FamilyOptions::default()
+        latent_attention: deepseek.as_ref().map(|d| d.latent),
+        yarn: deepseek.as_ref().and_then(|d| d.yarn),
     };
     let token_id = |key: &str| md.get(key).and_then(|v: &Value| v.to_u32().ok());
     let spec = ModelSpec {
@@ -480,13 +491,19 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
         intermediate_size: need_u32("feed_forward_length")
             .or_else(|e| options.moe.as_ref().map(|m| m.expert_size).ok_or(e))?,
         num_heads: heads,
-        num_kv_heads: need_u32("attention.head_count_kv").unwrap_or(heads),
+        // Latent attention caches one latent for all heads (llama.cpp's MLA files say so too; older ones do not).
+        num_kv_heads: if deepseek.is_some() {
+            1
+        } else {
+            need_u32("attention.head_count_kv").unwrap_or(heads)
+        },
         head_dim,
         vocab_size: vocab,
         rope_theta: f32_or("rope.freq_base", 10_000.0),
         rope_scaling: None,
-        // llama.cpp permutes Llama's q/k rows to Meta's interleaved pairs; the other families keep rotate-half.
-        rope_style: if arch == "llama" {
+        // llama.cpp permutes Llama's q/k rows to Meta's interleaved pairs (DeepSeek's are so already); the other
+        // families keep rotate-half.
+        rope_style: if arch == "llama" || arch == "deepseek2" {
             RopeStyle::Interleaved
         } else {
             RopeStyle::Half

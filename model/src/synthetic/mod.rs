@@ -476,7 +476,7 @@ impl SyntheticShape {
                     "norm_topk_prob": v3, "routed_scaling_factor": if v3 { 2.5 } else { 1.5 },
                     "rope_scaling": { "type": "yarn", "factor": 4.0,
                         "original_max_position_embeddings": self.max_position / 4,
-                        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8 },
+                        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 0.8 },
                 })
             }
             F::Gemma2 | F::Gemma3 => serde_json::json!({

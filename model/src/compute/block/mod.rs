@@ -148,13 +148,26 @@ impl Block {
                     },
                     None => QueryProjection::Full(matmul(BlockTensor::Q, q_out, h)?),
                 };
-                let kv_up = get(
+                let (key_up, value_up) = match get(
                     BlockTensor::KvUp,
                     &[heads * (l.nope_dim + l.value_dim), l.kv_rank],
-                )?
-                .dense(p)?;
-                let (key_up, value_up) =
-                    LatentAttention::split_expansion(&kv_up, heads, l.nope_dim, l.value_dim)?;
+                ) {
+                    Ok(kv_up) => LatentAttention::split_expansion(
+                        &kv_up.dense(p)?,
+                        heads,
+                        l.nope_dim,
+                        l.value_dim,
+                    )?,
+                    // llama.cpp's MLA files hold the two halves, the key's transposed.
+                    Err(ModelError::MissingTensor { .. }) => (
+                        get(BlockTensor::KeyUp, &[heads, l.kv_rank, l.nope_dim])?
+                            .dense(p)?
+                            .transpose(1, 2)?
+                            .contiguous()?,
+                        get(BlockTensor::ValueUp, &[heads, l.value_dim, l.kv_rank])?.dense(p)?,
+                    ),
+                    Err(e) => return Err(e),
+                };
                 // YaRN's temperature, squared, on top of 1/sqrt(query width).
                 let mscale = o.yarn.map_or(1.0, |y| y.get_mscale(y.mscale_all_dim)) as f64;
                 SelfAttention::Latent(LatentAttention {

@@ -173,6 +173,8 @@ fn gguf_block_name(block: usize, t: BlockTensor) -> String {
         BlockTensor::KvDown => "attn_kv_a_mqa.weight".into(),
         BlockTensor::KvDownNorm => "attn_kv_a_norm.weight".into(),
         BlockTensor::KvUp => "attn_kv_b.weight".into(),
+        BlockTensor::KeyUp => "attn_k_b.weight".into(),
+        BlockTensor::ValueUp => "attn_v_b.weight".into(),
     };
     format!("blk.{block}.{leaf}")
 }

@@ -70,6 +70,10 @@ pub enum BlockTensor {
     KvDown,
     KvDownNorm,
     KvUp,
+    /// `KvUp` as llama.cpp's MLA files split it: each head's key expansion transposed, `[heads, kv_rank,
+    /// nope_dim]`, and its value expansion, `[heads, value_dim, kv_rank]`.
+    KeyUp,
+    ValueUp,
 }
 
 /// How a family names its tensors in Hugging Face checkpoints, where that differs from Llama's.

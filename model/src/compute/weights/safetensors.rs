@@ -109,6 +109,8 @@ pub(crate) fn hf_block_name(layout: HfLayout, block: usize, t: BlockTensor) -> S
         BlockTensor::KvDown => "self_attn.kv_a_proj_with_mqa.weight".into(),
         BlockTensor::KvDownNorm => "self_attn.kv_a_layernorm.weight".into(),
         BlockTensor::KvUp => "self_attn.kv_b_proj.weight".into(),
+        BlockTensor::KeyUp => "self_attn.k_b_proj.weight".into(),
+        BlockTensor::ValueUp => "self_attn.v_b_proj.weight".into(),
     };
     format!("model.layers.{block}.{leaf}")
 }
