@@ -269,6 +269,7 @@ fn synthetic_k_quant_spans_match_quantized_llama(
         family: SyntheticFamily::Llama,
         sliding_window: None,
         head_size: None,
+        latent: None,
         experts: None,
     };
     let dir = tempfile::tempdir().unwrap();

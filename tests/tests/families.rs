@@ -153,6 +153,18 @@ fn deepseek_v3_three_nodes_match_local() {
     three_nodes_match_local(SyntheticFamily::DeepseekV3, None);
 }
 
+/// A `deepseek2` GGUF in Q4_K_M as llama.cpp's MLA files are laid out (V3's routing, shared experts, the split
+/// latent expansion in Q8_0 where K-quant blocks do not fit) split over two nodes.
+#[test]
+fn deepseek2_gguf_two_nodes_match_local() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let shape = SyntheticShape::named("deepseek-tiny").expect("the deepseek-tiny shape");
+    let tokenizer = GgufTokenizer::from_gguf(&smollm_gguf()).expect("SmolLM2's tokenizer");
+    let path = dir.path().join("deepseek-tiny-q4_k_m.gguf");
+    write_gguf(&path, &shape, GgufFormat::Q4KM, &tokenizer, SEED).expect("write the GGUF");
+    swarm_matches_local("deepseek2 GGUF", &path, &["0..2", "2..6"]);
+}
+
 #[test]
 fn phi3_three_nodes_match_local() {
     three_nodes_match_local(SyntheticFamily::Phi3, None);

@@ -27,6 +27,7 @@ const SHAPE: SyntheticShape = SyntheticShape {
     family: SyntheticFamily::Llama,
     sliding_window: None,
     head_size: None,
+    latent: None,
     experts: None,
 };
 const SEED: u64 = 14;

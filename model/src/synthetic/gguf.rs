@@ -24,12 +24,14 @@ pub enum GgufFormat {
     Q4KM,
     /// Q5_K, with Q6_K where Q4_K_M has it.
     Q5KM,
+    /// Every matrix in f32: no quantization between two engines that are compared.
+    F32,
 }
 
 impl GgufFormat {
-    pub const ALL: [Self; 4] = [Self::Q4_0, Self::Q8_0, Self::Q4KM, Self::Q5KM];
+    pub const ALL: [Self; 5] = [Self::Q4_0, Self::Q8_0, Self::Q4KM, Self::Q5KM, Self::F32];
 
-    /// Parses `q4_0`, `q8_0`, `q4_k_m` or `q5_k_m` (any case).
+    /// Parses `q4_0`, `q8_0`, `q4_k_m`, `q5_k_m` or `f32` (any case).
     pub fn parse(s: &str) -> Option<Self> {
         let s = s.trim().to_ascii_lowercase();
         Self::ALL.into_iter().find(|f| f.name() == s)
@@ -41,6 +43,7 @@ impl GgufFormat {
             Self::Q8_0 => "q8_0",
             Self::Q4KM => "q4_k_m",
             Self::Q5KM => "q5_k_m",
+            Self::F32 => "f32",
         }
     }
 
@@ -51,6 +54,7 @@ impl GgufFormat {
             Self::Q8_0 => 7,
             Self::Q4KM => 15,
             Self::Q5KM => 17,
+            Self::F32 => 0,
         }
     }
 
@@ -60,6 +64,7 @@ impl GgufFormat {
             Self::Q8_0 => GgmlDType::Q8_0,
             Self::Q4KM => GgmlDType::Q4K,
             Self::Q5KM => GgmlDType::Q5K,
+            Self::F32 => GgmlDType::F32,
         }
     }
 
@@ -67,7 +72,7 @@ impl GgufFormat {
     fn matrix_type(self, role: Role, block: Option<(usize, usize)>) -> GgmlDType {
         let k_quant = matches!(self, Self::Q4KM | Self::Q5KM);
         match (role, block) {
-            (Role::Output, _) if self == Self::Q8_0 => GgmlDType::Q8_0,
+            (Role::Output, _) if matches!(self, Self::Q8_0 | Self::F32) => self.base(),
             (Role::Output, _) => GgmlDType::Q6K,
             (Role::MoreBits, Some((i, n))) if k_quant && use_more_bits(i, n) => GgmlDType::Q6K,
             _ => self.base(),
@@ -152,13 +157,16 @@ pub fn write_gguf(
 ) -> io::Result<WrittenGguf> {
     let supported = matches!(
         shape.family,
-        SyntheticFamily::Llama | SyntheticFamily::Qwen3Moe
+        SyntheticFamily::Llama
+            | SyntheticFamily::Qwen3Moe
+            | SyntheticFamily::DeepseekV2
+            | SyntheticFamily::DeepseekV3
     );
     if !supported {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             format!(
-                "synthetic GGUF files are Llama or Qwen3-MoE; {} is not",
+                "synthetic GGUF files are Llama, Qwen3-MoE or DeepSeek; {} is not",
                 shape.family.name()
             ),
         ));
@@ -189,7 +197,8 @@ pub fn write_gguf(
         "hidden": shape.hidden_size, "blocks": shape.num_blocks, "ffn": shape.intermediate_size,
         "heads": shape.num_heads, "kv_heads": shape.num_kv_heads, "family": shape.family.name(),
         "head_dim": shape.head_dim(),
-        "experts": shape.expert_shape().map(|e| [e.count, e.per_token, e.size]),
+        "experts": shape.expert_shape().map(|e| [e.count, e.per_token, e.size, e.shared]),
+        "latent": format!("{:?}", shape.latent_dims()),
     });
     if is_current(&marker_path, &marker, path) {
         return Ok(WrittenGguf {
@@ -245,11 +254,21 @@ fn gguf_tensors(shape: &SyntheticShape, format: GgufFormat) -> Vec<GgufTensor> {
     let (h, ff, hd) = (shape.hidden_size, shape.intermediate_size, shape.head_dim());
     let (q, kv) = (shape.num_heads * hd, shape.num_kv_heads * hd);
     let n = shape.num_blocks;
+    let deepseek = matches!(
+        shape.family,
+        SyntheticFamily::DeepseekV2 | SyntheticFamily::DeepseekV3
+    );
+    // As llama-quantize: a row that the format's blocks do not split falls back to Q8_0, else f32.
+    let fits = |dtype: GgmlDType, cols: usize| match dtype {
+        d if cols.is_multiple_of(d.block_size()) => d,
+        _ if cols.is_multiple_of(GgmlDType::Q8_0.block_size()) => GgmlDType::Q8_0,
+        _ => GgmlDType::F32,
+    };
     let matrix =
         |name: String, rows: usize, cols: usize, role: Role, block: Option<usize>| GgufTensor {
             name,
             dims: vec![cols, rows],
-            dtype: format.matrix_type(role, block.map(|i| (i, n))),
+            dtype: fits(format.matrix_type(role, block.map(|i| (i, n))), cols),
             weights: true,
         };
     let norm = |name: String, len: usize| GgufTensor {
@@ -268,13 +287,58 @@ fn gguf_tensors(shape: &SyntheticShape, format: GgufFormat) -> Vec<GgufTensor> {
     for i in 0..n {
         let p = format!("blk.{i}");
         let b = Some(i);
-        t.extend([
-            norm(format!("{p}.attn_norm.weight"), h),
-            matrix(format!("{p}.attn_q.weight"), q, h, Role::Plain, b),
-            matrix(format!("{p}.attn_k.weight"), kv, h, Role::Plain, b),
-            matrix(format!("{p}.attn_v.weight"), kv, h, Role::MoreBits, b),
-            matrix(format!("{p}.attn_output.weight"), h, q, Role::Plain, b),
-        ]);
+        if deepseek {
+            // llama.cpp's MLA layout: the latent's expansion split per head, the key's transposed.
+            let (q_rank, kv_rank, nope, rope, value) = shape.latent_dims();
+            let heads = shape.num_heads;
+            let q_out = heads * (nope + rope);
+            t.push(norm(format!("{p}.attn_norm.weight"), h));
+            match q_rank {
+                Some(r) => t.extend([
+                    matrix(format!("{p}.attn_q_a.weight"), r, h, Role::Plain, b),
+                    norm(format!("{p}.attn_q_a_norm.weight"), r),
+                    matrix(format!("{p}.attn_q_b.weight"), q_out, r, Role::Plain, b),
+                ]),
+                None => t.push(matrix(
+                    format!("{p}.attn_q.weight"),
+                    q_out,
+                    h,
+                    Role::Plain,
+                    b,
+                )),
+            }
+            let per_head = |name: &str, rows: usize, cols: usize| GgufTensor {
+                dims: vec![cols, rows, heads],
+                ..matrix(format!("{p}.{name}"), rows, cols, Role::Plain, b)
+            };
+            t.extend([
+                matrix(
+                    format!("{p}.attn_kv_a_mqa.weight"),
+                    kv_rank + rope,
+                    h,
+                    Role::Plain,
+                    b,
+                ),
+                norm(format!("{p}.attn_kv_a_norm.weight"), kv_rank),
+                per_head("attn_k_b.weight", kv_rank, nope),
+                per_head("attn_v_b.weight", value, kv_rank),
+                matrix(
+                    format!("{p}.attn_output.weight"),
+                    h,
+                    heads * value,
+                    Role::Plain,
+                    b,
+                ),
+            ]);
+        } else {
+            t.extend([
+                norm(format!("{p}.attn_norm.weight"), h),
+                matrix(format!("{p}.attn_q.weight"), q, h, Role::Plain, b),
+                matrix(format!("{p}.attn_k.weight"), kv, h, Role::Plain, b),
+                matrix(format!("{p}.attn_v.weight"), kv, h, Role::MoreBits, b),
+                matrix(format!("{p}.attn_output.weight"), h, q, Role::Plain, b),
+            ]);
+        }
         if shape.family == SyntheticFamily::Qwen3Moe {
             t.extend([
                 norm(format!("{p}.attn_q_norm.weight"), hd),
@@ -282,7 +346,8 @@ fn gguf_tensors(shape: &SyntheticShape, format: GgufFormat) -> Vec<GgufTensor> {
             ]);
         }
         t.push(norm(format!("{p}.ffn_norm.weight"), h));
-        match shape.expert_shape() {
+        // DeepSeek's first block keeps a dense MLP.
+        match shape.expert_shape().filter(|_| !(deepseek && i == 0)) {
             Some(e) => {
                 // llama.cpp keeps the router in f32 and gives ffn_down_exps the bits ffn_down gets.
                 let stacked = |name: &str, rows: usize, cols: usize, role: Role| GgufTensor {
@@ -300,6 +365,28 @@ fn gguf_tensors(shape: &SyntheticShape, format: GgufFormat) -> Vec<GgufTensor> {
                     stacked("ffn_up_exps.weight", e.size, h, Role::Plain),
                     stacked("ffn_down_exps.weight", h, e.size, Role::MoreBits),
                 ]);
+                if shape.family == SyntheticFamily::DeepseekV3 {
+                    t.push(GgufTensor {
+                        name: format!("{p}.exp_probs_b.bias"),
+                        dims: vec![e.count],
+                        dtype: GgmlDType::F32,
+                        weights: true,
+                    });
+                }
+                if e.shared > 0 {
+                    let sf = e.shared * e.size;
+                    t.extend([
+                        matrix(format!("{p}.ffn_gate_shexp.weight"), sf, h, Role::Plain, b),
+                        matrix(format!("{p}.ffn_up_shexp.weight"), sf, h, Role::Plain, b),
+                        matrix(
+                            format!("{p}.ffn_down_shexp.weight"),
+                            h,
+                            sf,
+                            Role::MoreBits,
+                            b,
+                        ),
+                    ]);
+                }
             }
             None => t.extend([
                 matrix(format!("{p}.ffn_gate.weight"), ff, h, Role::Plain, b),
@@ -340,6 +427,7 @@ fn write_header<W: Write + Seek>(
     let u32v = |v: usize| Value::U32(v as u32);
     let arch = match shape.family {
         SyntheticFamily::Qwen3Moe => "qwen3moe",
+        SyntheticFamily::DeepseekV2 | SyntheticFamily::DeepseekV3 => "deepseek2",
         _ => "llama",
     };
     let k = |key: &str| format!("{arch}.{key}");
@@ -371,6 +459,9 @@ fn write_header<W: Write + Seek>(
             (k("expert_feed_forward_length"), u32v(e.size)),
         ]);
     }
+    if arch == "deepseek2" {
+        deepseek2_metadata(shape, &mut metadata);
+    }
     metadata.extend(tokenizer.metadata.iter().cloned());
     out.write_all(b"GGUF")?;
     out.write_all(&3u32.to_le_bytes())?;
@@ -393,6 +484,72 @@ fn write_header<W: Write + Seek>(
         offset += (t.bytes() as u64).div_ceil(ALIGNMENT) * ALIGNMENT;
     }
     pad(out)
+}
+
+/// DeepSeek's keys as llama.cpp's converter writes an MLA file (replacing the cached widths of the common keys):
+/// one KV head of the latent, the per-head widths apart, the routing and YaRN of the shape's HF config.
+fn deepseek2_metadata(shape: &SyntheticShape, metadata: &mut Vec<(String, Value)>) {
+    let k = |key: &str| format!("deepseek2.{key}");
+    let u32v = |v: usize| Value::U32(v as u32);
+    let cached = [
+        "attention.head_count_kv",
+        "attention.key_length",
+        "attention.value_length",
+        "rope.dimension_count",
+    ];
+    metadata.retain(|(key, _)| !cached.iter().any(|c| *key == k(c)));
+    let (q_rank, kv_rank, nope, rope, value) = shape.latent_dims();
+    let c = shape.config_json(WeightDType::F32);
+    let num = |v: &serde_json::Value| v.as_f64().unwrap_or(0.0);
+    let count = |v: &serde_json::Value| v.as_u64().unwrap_or(0) as usize;
+    let yarn = &c["rope_scaling"];
+    metadata.extend([
+        (k("attention.head_count_kv"), u32v(1)),
+        (k("attention.key_length"), u32v(kv_rank + rope)),
+        (k("attention.value_length"), u32v(kv_rank)),
+        (k("attention.key_length_mla"), u32v(nope + rope)),
+        (k("attention.value_length_mla"), u32v(value)),
+        (k("attention.kv_lora_rank"), u32v(kv_rank)),
+        (k("rope.dimension_count"), u32v(rope)),
+        (
+            k("leading_dense_block_count"),
+            u32v(count(&c["first_k_dense_replace"])),
+        ),
+        (
+            k("expert_shared_count"),
+            u32v(count(&c["n_shared_experts"])),
+        ),
+        (
+            k("expert_weights_scale"),
+            Value::F32(num(&c["routed_scaling_factor"]) as f32),
+        ),
+        (
+            k("expert_weights_norm"),
+            Value::Bool(c["norm_topk_prob"].as_bool().unwrap_or(false)),
+        ),
+        (
+            k("expert_gating_func"),
+            u32v(if c["scoring_func"] == "sigmoid" { 2 } else { 1 }),
+        ),
+        (k("expert_group_count"), u32v(count(&c["n_group"]))),
+        (k("expert_group_used_count"), u32v(count(&c["topk_group"]))),
+        (k("rope.scaling.type"), Value::String("yarn".into())),
+        (
+            k("rope.scaling.factor"),
+            Value::F32(num(&yarn["factor"]) as f32),
+        ),
+        (
+            k("rope.scaling.original_context_length"),
+            u32v(count(&yarn["original_max_position_embeddings"])),
+        ),
+        (
+            k("rope.scaling.yarn_log_multiplier"),
+            Value::F32((0.1 * num(&yarn["mscale_all_dim"])) as f32),
+        ),
+    ]);
+    if let Some(r) = q_rank {
+        metadata.push((k("attention.q_lora_rank"), u32v(r)));
+    }
 }
 
 /// ggml's `ggml_type` number of the types this module writes.

@@ -100,12 +100,24 @@ pub const QWEN3_MOE_EXPERTS: usize = 8;
 /// Routed experts per block of a synthetic DeepSeek, unless its shape says otherwise.
 pub const DEEPSEEK_EXPERTS: usize = 8;
 
-/// The experts of a mixture: `count` per block, `per_token` chosen for each token, each `size` wide.
+/// The experts of a mixture: `count` per block, `per_token` chosen for each token, each `size` wide, and `shared`
+/// more of that width that every token goes through (DeepSeek's, written as one MLP).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExpertShape {
     pub count: usize,
     pub per_token: usize,
     pub size: usize,
+    pub shared: usize,
+}
+
+/// DeepSeek's latent attention widths where not derived from the head size (see [`SyntheticShape::latent_dims`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LatentShape {
+    pub q_rank: Option<usize>,
+    pub kv_rank: usize,
+    pub nope_dim: usize,
+    pub rope_dim: usize,
+    pub value_dim: usize,
 }
 
 impl SyntheticFamily {
@@ -174,6 +186,8 @@ pub struct SyntheticShape {
     pub sliding_window: Option<usize>,
     /// Width of an attention head where it is not `hidden_size / num_heads` (Qwen3-MoE's 128 over 2048).
     pub head_size: Option<usize>,
+    /// DeepSeek's latent attention widths, where not derived from the head size.
+    pub latent: Option<LatentShape>,
     /// The experts of a Mixtral or Qwen3-MoE where not its family's default (see [`SyntheticShape::expert_shape`]).
     pub experts: Option<ExpertShape>,
 }
@@ -199,25 +213,32 @@ impl SyntheticShape {
                 count: MIXTRAL_EXPERTS,
                 per_token: 2,
                 size: self.intermediate_size,
+                shared: 0,
             },
             SyntheticFamily::Qwen3Moe => ExpertShape {
                 count: QWEN3_MOE_EXPERTS,
                 per_token: 2,
                 size: self.intermediate_size / 2,
+                shared: 0,
             },
             SyntheticFamily::DeepseekV2 | SyntheticFamily::DeepseekV3 => ExpertShape {
                 count: DEEPSEEK_EXPERTS,
                 per_token: 2,
                 size: self.intermediate_size / 2,
+                shared: 1,
             },
             _ => return None,
         };
         Some(self.experts.unwrap_or(default))
     }
 
-    /// DeepSeek's latent attention at this shape: `(q_rank, kv_rank, nope_dim, rope_dim, value_dim)`, a value
-    /// narrower than the key so that the two cannot be confused; V3's queries take one projection.
+    /// DeepSeek's latent attention at this shape: `(q_rank, kv_rank, nope_dim, rope_dim, value_dim)`, the shape's
+    /// own or derived from the head size, a value narrower than the key so that the two cannot be confused and
+    /// low-rank queries for V2 only.
     pub fn latent_dims(&self) -> (Option<usize>, usize, usize, usize, usize) {
+        if let Some(l) = self.latent {
+            return (l.q_rank, l.kv_rank, l.nope_dim, l.rope_dim, l.value_dim);
+        }
         let hd = self.head_dim();
         let q_rank = (self.family == SyntheticFamily::DeepseekV2).then_some(self.hidden_size / 2);
         (q_rank, self.hidden_size / 2, hd, hd / 2, 3 * hd / 4)
@@ -355,7 +376,10 @@ impl SyntheticShape {
                 (
                     _,
                     Some(ExpertShape {
-                        count: n, size: ef, ..
+                        count: n,
+                        size: ef,
+                        shared,
+                        ..
                     }),
                 ) => {
                     let (m, [gate, up, down]) = if self.family == F::Mixtral {
@@ -374,11 +398,12 @@ impl SyntheticShape {
                             w(format!("{m}.experts.{e}.{down}.weight"), vec![h, ef]),
                         ]);
                     }
-                    if self.family.is_deepseek() {
+                    if shared > 0 {
+                        let sf = shared * ef;
                         t.extend([
-                            w(format!("{m}.shared_experts.{gate}.weight"), vec![ef, h]),
-                            w(format!("{m}.shared_experts.{up}.weight"), vec![ef, h]),
-                            w(format!("{m}.shared_experts.{down}.weight"), vec![h, ef]),
+                            w(format!("{m}.shared_experts.{gate}.weight"), vec![sf, h]),
+                            w(format!("{m}.shared_experts.{up}.weight"), vec![sf, h]),
+                            w(format!("{m}.shared_experts.{down}.weight"), vec![h, sf]),
                         ]);
                     }
                 }
@@ -446,7 +471,7 @@ impl SyntheticShape {
         let window = self.sliding_window;
         let ex = self
             .expert_shape()
-            .map_or((0, 0, 0), |e| (e.count, e.per_token, e.size));
+            .map_or((0, 0, 0, 0), |e| (e.count, e.per_token, e.size, e.shared));
         let extra = match self.family {
             F::Llama => serde_json::json!({}),
             F::Mistral | F::Phi3 => serde_json::json!({ "sliding_window": window }),
@@ -469,7 +494,7 @@ impl SyntheticShape {
                     "qk_rope_head_dim": rope, "v_head_dim": value, "attention_bias": false,
                     "num_key_value_heads": self.num_heads,
                     "n_routed_experts": ex.0, "num_experts_per_tok": ex.1, "moe_intermediate_size": ex.2,
-                    "n_shared_experts": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+                    "n_shared_experts": ex.3, "first_k_dense_replace": 1, "moe_layer_freq": 1,
                     "topk_method": if v3 { "noaux_tc" } else { "greedy" },
                     "scoring_func": if v3 { "sigmoid" } else { "softmax" },
                     "n_group": if v3 { 4 } else { 1 }, "topk_group": if v3 { 2 } else { 1 },

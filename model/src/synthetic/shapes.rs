@@ -1,5 +1,5 @@
 //! The named shapes synthetic models are written in: small ones for tests and benches, real-scale ones for GGUF.
-use super::{ExpertShape, SyntheticFamily, SyntheticShape};
+use super::{ExpertShape, LatentShape, SyntheticFamily, SyntheticShape};
 
 /// The smallest shape with everything a family can vary: GQA, six blocks (so every family's window pattern has
 /// windowed and global layers), norms and a vocabulary big enough for greedy ties to be rare. The family tests use
@@ -17,6 +17,7 @@ pub const MINI: SyntheticShape = SyntheticShape {
     family: SyntheticFamily::Llama,
     sliding_window: None,
     head_size: None,
+    latent: None,
     experts: None,
 };
 
@@ -37,6 +38,7 @@ pub const SHAPES: &[SyntheticShape] = &[
         family: SyntheticFamily::Llama,
         sliding_window: None,
         head_size: None,
+        latent: None,
         experts: None,
     },
     SyntheticShape {
@@ -52,6 +54,7 @@ pub const SHAPES: &[SyntheticShape] = &[
         family: SyntheticFamily::Llama,
         sliding_window: None,
         head_size: None,
+        latent: None,
         experts: None,
     },
     SyntheticShape {
@@ -67,6 +70,7 @@ pub const SHAPES: &[SyntheticShape] = &[
         family: SyntheticFamily::Llama,
         sliding_window: None,
         head_size: None,
+        latent: None,
         experts: None,
     },
     SyntheticShape {
@@ -82,6 +86,7 @@ pub const SHAPES: &[SyntheticShape] = &[
         family: SyntheticFamily::Llama,
         sliding_window: None,
         head_size: None,
+        latent: None,
         experts: None,
     },
     // Real-scale shapes, for GGUF files in the formats users download ([`super::write_gguf`], which takes the
@@ -100,6 +105,7 @@ pub const SHAPES: &[SyntheticShape] = &[
         family: SyntheticFamily::Llama,
         sliding_window: None,
         head_size: None,
+        latent: None,
         experts: None,
     },
     SyntheticShape {
@@ -115,6 +121,7 @@ pub const SHAPES: &[SyntheticShape] = &[
         family: SyntheticFamily::Llama,
         sliding_window: None,
         head_size: None,
+        latent: None,
         experts: None,
     },
     SyntheticShape {
@@ -130,6 +137,7 @@ pub const SHAPES: &[SyntheticShape] = &[
         family: SyntheticFamily::Llama,
         sliding_window: None,
         head_size: None,
+        latent: None,
         experts: None,
     },
     // Qwen3-30B-A3B's widths: 128 experts of 768, eight per token, heads of 128 over a 2048 stream.
@@ -146,10 +154,12 @@ pub const SHAPES: &[SyntheticShape] = &[
         family: SyntheticFamily::Qwen3Moe,
         sliding_window: None,
         head_size: Some(128),
+        latent: None,
         experts: Some(ExpertShape {
             count: 128,
             per_token: 8,
             size: 768,
+            shared: 0,
         }),
     },
     // A mixture bigger than a small node's budget, quick to write and load: 64 experts of 512, eight per token.
@@ -166,10 +176,12 @@ pub const SHAPES: &[SyntheticShape] = &[
         family: SyntheticFamily::Qwen3Moe,
         sliding_window: None,
         head_size: None,
+        latent: None,
         experts: Some(ExpertShape {
             count: 64,
             per_token: 8,
             size: 512,
+            shared: 0,
         }),
     },
     // A mixture small enough for tests: 16 experts of 256, four per token.
@@ -186,10 +198,71 @@ pub const SHAPES: &[SyntheticShape] = &[
         family: SyntheticFamily::Qwen3Moe,
         sliding_window: None,
         head_size: None,
+        latent: None,
         experts: Some(ExpertShape {
             count: 16,
             per_token: 4,
             size: 256,
+            shared: 0,
+        }),
+    },
+    // DeepSeek-V2-Lite's widths: latent attention (a 512 latent and 64 rotated values per position; no low-rank
+    // query), 64 routed experts of 1408 and two shared, six per token, a dense first block. Its context is cut
+    // to 32k (YaRN over 8k) to keep the RoPE tables small.
+    SyntheticShape {
+        name: "deepseek-v2-lite",
+        hidden_size: 2048,
+        num_blocks: 27,
+        num_heads: 16,
+        num_kv_heads: 16,
+        intermediate_size: 10944,
+        vocab_size: 102400,
+        tie_embeddings: false,
+        max_position: 32768,
+        family: SyntheticFamily::DeepseekV2,
+        sliding_window: None,
+        head_size: Some(128),
+        latent: Some(LatentShape {
+            q_rank: None,
+            kv_rank: 512,
+            nope_dim: 128,
+            rope_dim: 64,
+            value_dim: 128,
+        }),
+        experts: Some(ExpertShape {
+            count: 64,
+            per_token: 6,
+            size: 1408,
+            shared: 2,
+        }),
+    },
+    // DeepSeek-V3's routing and attention at a size for tests: 16 experts of 128 (four per token from the best two
+    // of four groups), one shared, low-rank queries, a 64-wide latent.
+    SyntheticShape {
+        name: "deepseek-tiny",
+        hidden_size: 256,
+        num_blocks: 6,
+        num_heads: 4,
+        num_kv_heads: 4,
+        intermediate_size: 512,
+        vocab_size: 4096,
+        tie_embeddings: false,
+        max_position: 2048,
+        family: SyntheticFamily::DeepseekV3,
+        sliding_window: None,
+        head_size: None,
+        latent: Some(LatentShape {
+            q_rank: Some(128),
+            kv_rank: 64,
+            nope_dim: 64,
+            rope_dim: 32,
+            value_dim: 48,
+        }),
+        experts: Some(ExpertShape {
+            count: 16,
+            per_token: 4,
+            size: 128,
+            shared: 1,
         }),
     },
 ];

@@ -1,0 +1,101 @@
+//! llama.cpp as the oracle of the GGUF architectures candle has no CPU model of: a random-weight GGUF of each (f32
+//! matrices, so that no quantized kernel of either engine stands between them; SmolLM2's tokenizer, so both tokenize
+//! the same text) gives llama.cpp's `llama-simple` greedy text, 16 tokens, run locally and over a 2-node split.
+//!
+//! Ignored by default: it needs llama.cpp's `llama-simple`, which `scripts/llama-oracle` builds from the
+//! llama-cpp-python sdist (about ten minutes on two cores, beyond CI's budget) and then runs these with
+//! `LLAMA_SIMPLE` naming it.
+use petal_model::synthetic::{
+    write_gguf, GgufFormat, GgufTokenizer, SyntheticFamily, SyntheticShape,
+};
+use petal_tests::*;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+const NEW_TOKENS: usize = 16;
+const PROMPT: &str = "The capital of France is";
+const SEED: u64 = 3;
+
+fn llama_simple() -> PathBuf {
+    let path = std::env::var_os("LLAMA_SIMPLE")
+        .map(PathBuf::from)
+        .expect("LLAMA_SIMPLE names llama.cpp's llama-simple (scripts/llama-oracle builds it)");
+    assert!(path.is_file(), "no llama-simple at {}", path.display());
+    path
+}
+
+/// llama.cpp's greedy continuation of `PROMPT` (`llama-simple` prints the prompt, then what it generated).
+fn llama_text(model: &Path) -> String {
+    let mut cmd = Command::new(llama_simple());
+    cmd.arg("-m")
+        .arg(model)
+        .args(["-n", &NEW_TOKENS.to_string(), PROMPT]);
+    let out = run_with_timeout(cmd, Duration::from_secs(120));
+    assert!(out.success(), "{out}");
+    let text = out.stdout.trim_end_matches('\n');
+    text.strip_prefix(PROMPT)
+        .unwrap_or_else(|| panic!("llama-simple did not echo the prompt: {text:?}"))
+        .to_string()
+}
+
+/// The shape written as an f32 GGUF with SmolLM2's tokenizer, llama.cpp's text, and ours locally and over two nodes.
+fn matches_llama_cpp(shape: SyntheticShape, spans: [&str; 2]) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tokenizer = GgufTokenizer::from_gguf(&smollm_gguf()).expect("SmolLM2's tokenizer");
+    let path = dir.path().join(format!("{}-f32.gguf", shape.name));
+    write_gguf(&path, &shape, GgufFormat::F32, &tokenizer, SEED).expect("write the GGUF");
+    let expected = llama_text(&path);
+    let greedy = |g: Generate| {
+        g.max_new_tokens(NEW_TOKENS)
+            .ignore_eos()
+            .args(&["--temperature", "0"])
+            .run_json()
+    };
+    let local = greedy(Generate::new(&path, PROMPT).local());
+    assert_eq!(local.tokens.len(), NEW_TOKENS);
+    assert_eq!(
+        local.text, expected,
+        "{}: local run vs llama.cpp",
+        shape.name
+    );
+    let swarm = Swarm::builder()
+        .node_with(&path, spans[0], &[])
+        .node_with(&path, spans[1], &[])
+        .start();
+    let remote = greedy(swarm.generate(&path, PROMPT));
+    assert_eq!(
+        remote.text, expected,
+        "{}: two nodes vs llama.cpp",
+        shape.name
+    );
+}
+
+fn tiny(name: &str) -> SyntheticShape {
+    SyntheticShape::named(name).expect("a named shape")
+}
+
+/// DeepSeek-V3: sigmoid routing over the best two of four groups with the choice bias, renormalised and scaled
+/// weights, a shared expert, low-rank queries, latent attention split as llama.cpp's MLA files are, YaRN.
+#[test]
+#[ignore = "needs llama.cpp's llama-simple: scripts/llama-oracle"]
+fn deepseek_v3_gguf_equals_llama_cpp() {
+    matches_llama_cpp(tiny("deepseek-tiny"), ["0..3", "3..6"]);
+}
+
+/// DeepSeek-V2: softmax routing, weights scaled and not renormalised, no groups.
+#[test]
+#[ignore = "needs llama.cpp's llama-simple: scripts/llama-oracle"]
+fn deepseek_v2_gguf_equals_llama_cpp() {
+    matches_llama_cpp(
+        tiny("deepseek-tiny").with_family(SyntheticFamily::DeepseekV2),
+        ["0..2", "2..6"],
+    );
+}
+
+/// Qwen3-MoE, stacked experts renormalised.
+#[test]
+#[ignore = "needs llama.cpp's llama-simple: scripts/llama-oracle"]
+fn qwen3moe_gguf_equals_llama_cpp() {
+    matches_llama_cpp(tiny("moe-tiny"), ["0..3", "3..6"]);
+}
