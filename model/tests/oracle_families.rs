@@ -13,7 +13,10 @@ use candle_transformers::models::{
     deepseek2, gemma2, gemma3, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe,
 };
 use common::*;
-use petal_model::synthetic::{write_model, SyntheticFamily, SyntheticShape, WeightDType, MINI};
+use petal_model::synthetic::{
+    deepseek2_metadata, override_metadata, write_model, SyntheticFamily, SyntheticShape,
+    WeightDType, MINI,
+};
 use petal_model::ModelSource;
 use std::path::Path;
 
@@ -280,7 +283,7 @@ fn write_gguf(
         candle_core::safetensors::load(hf.join("model.safetensors"), &Device::Cpu).unwrap();
     let gemma = arch.starts_with("gemma");
     let shape = SHAPE.with_family(family);
-    let (q_rank, kv_rank, nope, rope, value) = shape.latent_dims();
+    let (_, kv_rank, nope, _, value) = shape.latent_dims();
     let kv_ups: Vec<(String, Tensor)> = st
         .iter()
         .filter(|(name, _)| name.ends_with("self_attn.kv_b_proj.weight"))
@@ -460,63 +463,8 @@ fn write_gguf(
         }
     }
     if arch == "deepseek2" {
-        // As llama.cpp's converter writes an MLA file: one KV head of the latent, the per-head widths apart.
-        let cached = [
-            "attention.head_count_kv",
-            "attention.key_length",
-            "attention.value_length",
-            "rope.dimension_count",
-        ];
-        md.retain(|(key, _)| !cached.iter().any(|c| *key == k(c)));
-        let config = shape.config_json(WeightDType::F32);
-        let f = |v: f64| gguf_file::Value::F32(v as f32);
-        let v3 = family == SyntheticFamily::DeepseekV3;
-        md.extend([
-            (k("attention.head_count_kv"), u(1)),
-            (k("attention.key_length"), u(kv_rank + rope)),
-            (k("attention.value_length"), u(kv_rank)),
-            (k("attention.key_length_mla"), u(nope + rope)),
-            (k("attention.value_length_mla"), u(value)),
-            (k("attention.kv_lora_rank"), u(kv_rank)),
-            (k("rope.dimension_count"), u(rope)),
-            (k("leading_dense_block_count"), u(1)),
-            (k("expert_shared_count"), u(1)),
-            (
-                k("expert_weights_scale"),
-                f(config["routed_scaling_factor"].as_f64().unwrap()),
-            ),
-            (k("expert_weights_norm"), gguf_file::Value::Bool(v3)),
-            (k("expert_gating_func"), u(if v3 { 2 } else { 1 })),
-            (
-                k("expert_group_count"),
-                u(config["n_group"].as_u64().unwrap() as usize),
-            ),
-            (
-                k("expert_group_used_count"),
-                u(config["topk_group"].as_u64().unwrap() as usize),
-            ),
-            (
-                k("rope.scaling.type"),
-                gguf_file::Value::String("yarn".into()),
-            ),
-            (
-                k("rope.scaling.factor"),
-                f(config["rope_scaling"]["factor"].as_f64().unwrap()),
-            ),
-            (
-                k("rope.scaling.original_context_length"),
-                u(config["rope_scaling"]["original_max_position_embeddings"]
-                    .as_u64()
-                    .unwrap() as usize),
-            ),
-            (
-                k("rope.scaling.yarn_log_multiplier"),
-                f(0.1 * config["rope_scaling"]["mscale_all_dim"].as_f64().unwrap()),
-            ),
-        ]);
-        if let Some(r) = q_rank {
-            md.push((k("attention.q_lora_rank"), u(r)));
-        }
+        // As llama.cpp's converter writes an MLA file (the same keys the real-scale writer writes).
+        override_metadata(&mut md, deepseek2_metadata(&shape));
     }
     if arch == "gemma2" {
         md.extend([

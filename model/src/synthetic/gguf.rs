@@ -460,7 +460,7 @@ fn write_header<W: Write + Seek>(
         ]);
     }
     if arch == "deepseek2" {
-        deepseek2_metadata(shape, &mut metadata);
+        override_metadata(&mut metadata, deepseek2_metadata(shape));
     }
     metadata.extend(tokenizer.metadata.iter().cloned());
     out.write_all(b"GGUF")?;
@@ -486,24 +486,18 @@ fn write_header<W: Write + Seek>(
     pad(out)
 }
 
-/// DeepSeek's keys as llama.cpp's converter writes an MLA file (replacing the cached widths of the common keys):
-/// one KV head of the latent, the per-head widths apart, the routing and YaRN of the shape's HF config.
-fn deepseek2_metadata(shape: &SyntheticShape, metadata: &mut Vec<(String, Value)>) {
+/// DeepSeek's keys as llama.cpp's converter writes an MLA file: one KV head of the latent and the cached widths,
+/// the per-head widths apart, the routing and YaRN of the shape's HF config. They replace the common keys of the
+/// same names.
+pub fn deepseek2_metadata(shape: &SyntheticShape) -> Vec<(String, Value)> {
     let k = |key: &str| format!("deepseek2.{key}");
     let u32v = |v: usize| Value::U32(v as u32);
-    let cached = [
-        "attention.head_count_kv",
-        "attention.key_length",
-        "attention.value_length",
-        "rope.dimension_count",
-    ];
-    metadata.retain(|(key, _)| !cached.iter().any(|c| *key == k(c)));
     let (q_rank, kv_rank, nope, rope, value) = shape.latent_dims();
     let c = shape.config_json(WeightDType::F32);
     let num = |v: &serde_json::Value| v.as_f64().unwrap_or(0.0);
     let count = |v: &serde_json::Value| v.as_u64().unwrap_or(0) as usize;
     let yarn = &c["rope_scaling"];
-    metadata.extend([
+    let mut metadata = vec![
         (k("attention.head_count_kv"), u32v(1)),
         (k("attention.key_length"), u32v(kv_rank + rope)),
         (k("attention.value_length"), u32v(kv_rank)),
@@ -546,10 +540,17 @@ fn deepseek2_metadata(shape: &SyntheticShape, metadata: &mut Vec<(String, Value)
             k("rope.scaling.yarn_log_multiplier"),
             Value::F32((0.1 * num(&yarn["mscale_all_dim"])) as f32),
         ),
-    ]);
+    ];
     if let Some(r) = q_rank {
         metadata.push((k("attention.q_lora_rank"), u32v(r)));
     }
+    metadata
+}
+
+/// `metadata` with `over`'s keys replaced by `over`'s values.
+pub fn override_metadata(metadata: &mut Vec<(String, Value)>, over: Vec<(String, Value)>) {
+    metadata.retain(|(key, _)| !over.iter().any(|(k, _)| k == key));
+    metadata.extend(over);
 }
 
 /// ggml's `ggml_type` number of the types this module writes.

@@ -18,7 +18,9 @@ mod gguf;
 mod shapes;
 mod values;
 
-pub use gguf::{write_gguf, GgufFormat, GgufTokenizer, WrittenGguf};
+pub use gguf::{
+    deepseek2_metadata, override_metadata, write_gguf, GgufFormat, GgufTokenizer, WrittenGguf,
+};
 pub use shapes::{MINI, SHAPES};
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use super::rope::Rope;
 use crate::compute::linear::Linear;
 use crate::compute::rms_norm::RmsNorm;
 use crate::error::{ModelError, Result};
-use candle_core::{Tensor, D};
+use candle_core::{DType, Tensor, D};
 
 /// The query projection: one matrix, or a low-rank pair with a norm between.
 #[derive(Debug, Clone)]
@@ -75,6 +75,34 @@ impl LatentAttention {
         (1, (self.kv_rank + self.rope_dim) / 2)
     }
 
+    /// One new position per sequence against the cache's two halves as they are (`[b, 1, context, half]` each, the
+    /// latent's first half and its rest): the query is split the same way, so no copy joins the halves, and the
+    /// weighted latent is the probabilities times the first half, then times the second's first `rank - half`
+    /// values. Queries `[b, h, 1, kv_rank + rope_dim]`; returns `[b, h, 1, kv_rank]` in f32.
+    fn attend_one(&self, q: &Tensor, first: &Tensor, second: &Tensor) -> Result<Tensor> {
+        let (b, h, _, width) = q.dims4()?;
+        let half = width / 2;
+        let first = first.to_dtype(DType::F32)?;
+        let second = second.to_dtype(DType::F32)?;
+        // All heads of a sequence as the rows of one matrix against its one latent "head".
+        let q = q.to_dtype(DType::F32)?.reshape((b, 1, h, width))?;
+        let (q1, q2) = (
+            q.narrow(3, 0, half)?.contiguous()?,
+            q.narrow(3, half, half)?.contiguous()?,
+        );
+        let scores = ((q1.matmul(&first.t()?)? + q2.matmul(&second.t()?)?)? * self.scale)?;
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let rest = self.kv_rank - half;
+        let y = Tensor::cat(
+            &[
+                probs.matmul(&first)?,
+                probs.matmul(&second.narrow(3, 0, rest)?.contiguous()?)?,
+            ],
+            D::Minus1,
+        )?;
+        Ok(y.reshape((b, h, 1, self.kv_rank))?)
+    }
+
     /// Every session's attention and the output projection, for the normed rows `x` (`[1, rows, hidden]`).
     pub(crate) fn forward(&self, x: &Tensor, sessions: &mut [SessionRows<'_>]) -> Result<Tensor> {
         let q = self.q.forward(x)?;
@@ -130,16 +158,20 @@ impl LatentAttention {
             .cache
             .keys_values()
             .ok_or_else(|| ModelError::Config("latent attention over an empty cache".into()))?;
-        let keys = Tensor::cat(&[&first, &second], D::Minus1)?;
-        let values = keys.narrow(3, 0, rank)?;
-        let scoring = Scoring {
-            kv_heads: 1,
-            scale: self.scale,
-            softcap: None,
-            window: None,
-        };
         // `[b, h, t, rank]`: each head's weighted latent, then its value.
-        let y = attend_chunked(&q, s.position, (keys, values), scoring)?;
+        let y = if t == 1 && rank >= half {
+            self.attend_one(&q, &first, &second)?
+        } else {
+            let keys = Tensor::cat(&[&first, &second], D::Minus1)?;
+            let values = keys.narrow(3, 0, rank)?;
+            let scoring = Scoring {
+                kv_heads: 1,
+                scale: self.scale,
+                softcap: None,
+                window: None,
+            };
+            attend_chunked(&q, s.position, (keys, values), scoring)?
+        };
         let y = y
             .to_dtype(self.value_up.dtype())?
             .transpose(0, 1)?
