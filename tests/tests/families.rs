@@ -30,6 +30,16 @@ fn three_nodes_match_local(family: SyntheticFamily, window: Option<usize>) {
     );
 }
 
+/// The named shape written as a Q4_K_M GGUF with SmolLM2's tokenizer, through one node per span of `spans`.
+fn q4_k_m_gguf_matches_local(shape: &str, spans: &[&str]) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let named = SyntheticShape::named(shape).expect("a named shape");
+    let tokenizer = GgufTokenizer::from_gguf(&smollm_gguf()).expect("SmolLM2's tokenizer");
+    let path = dir.path().join(format!("{shape}-q4_k_m.gguf"));
+    write_gguf(&path, &named, GgufFormat::Q4KM, &tokenizer, SEED).expect("write the GGUF");
+    swarm_matches_local(&format!("{shape} GGUF"), &path, spans);
+}
+
 /// `NEW_TOKENS` greedy tokens of the model at `model` through one node per span of `spans` (in order, covering
 /// the model) equal the whole model run in this process.
 fn swarm_matches_local(label: &str, model: &Path, spans: &[&str]) {
@@ -133,12 +143,7 @@ fn qwen3_moe_three_nodes_match_local() {
 /// two nodes: each reads only its blocks' expert slabs.
 #[test]
 fn qwen3moe_gguf_two_nodes_match_local() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let shape = SyntheticShape::named("moe-tiny").expect("the moe-tiny shape");
-    let tokenizer = GgufTokenizer::from_gguf(&smollm_gguf()).expect("SmolLM2's tokenizer");
-    let path = dir.path().join("moe-tiny-q4_k_m.gguf");
-    write_gguf(&path, &shape, GgufFormat::Q4KM, &tokenizer, SEED).expect("write the GGUF");
-    swarm_matches_local("qwen3moe GGUF", &path, &["0..3", "3..6"]);
+    q4_k_m_gguf_matches_local("moe-tiny", &["0..3", "3..6"]);
 }
 
 /// Latent attention: each node's cache holds its blocks' latents only, and the dense first block sits on the first.
@@ -157,12 +162,7 @@ fn deepseek_v3_three_nodes_match_local() {
 /// latent expansion in Q8_0 where K-quant blocks do not fit) split over two nodes.
 #[test]
 fn deepseek2_gguf_two_nodes_match_local() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let shape = SyntheticShape::named("deepseek-tiny").expect("the deepseek-tiny shape");
-    let tokenizer = GgufTokenizer::from_gguf(&smollm_gguf()).expect("SmolLM2's tokenizer");
-    let path = dir.path().join("deepseek-tiny-q4_k_m.gguf");
-    write_gguf(&path, &shape, GgufFormat::Q4KM, &tokenizer, SEED).expect("write the GGUF");
-    swarm_matches_local("deepseek2 GGUF", &path, &["0..2", "2..6"]);
+    q4_k_m_gguf_matches_local("deepseek-tiny", &["0..2", "2..6"]);
 }
 
 #[test]
