@@ -15,12 +15,12 @@ use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 mod gguf;
+mod gguf_deepseek;
 mod shapes;
 mod values;
 
-pub use gguf::{
-    deepseek2_metadata, override_metadata, write_gguf, GgufFormat, GgufTokenizer, WrittenGguf,
-};
+pub use gguf::{write_gguf, GgufFormat, GgufTokenizer, WrittenGguf};
+pub use gguf_deepseek::{deepseek2_metadata, override_metadata};
 pub use shapes::{MINI, SHAPES};
 
 #[cfg(test)]
