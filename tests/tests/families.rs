@@ -4,8 +4,8 @@
 //! models in model/tests/oracle_families.rs).
 use petal_client::{ChainConfig, Generator, SwarmClient, VerifyPolicy};
 use petal_model::synthetic::{
-    write_gguf, write_model, GgufFormat, GgufTokenizer, SyntheticFamily, SyntheticShape,
-    WeightDType, MINI,
+    gpt_oss_gguf_from_hf, write_gguf, write_model, GgufFormat, GgufTokenizer, SyntheticFamily,
+    SyntheticShape, WeightDType, MINI,
 };
 use petal_model::text::decoding::GenerationConfig;
 use petal_model::{BlockRange, ModelSource, Placement};
@@ -180,4 +180,48 @@ fn gemma2_three_nodes_match_local() {
 #[test]
 fn gemma3_three_nodes_match_local() {
     three_nodes_match_local(SyntheticFamily::Gemma3, Some(6));
+}
+
+/// gpt-oss: sinks, windowed even layers (4 positions), biases, clamped SwiGLU experts, YaRN.
+#[test]
+fn gpt_oss_three_nodes_match_local() {
+    three_nodes_match_local(SyntheticFamily::GptOss, Some(4));
+}
+
+/// A `gpt-oss` GGUF in Q4_K_M (stacked experts with stacked biases) split over two nodes.
+#[test]
+fn gpt_oss_gguf_two_nodes_match_local() {
+    q4_k_m_gguf_matches_local("gpt-oss-tiny", &["0..1", "1..4"]);
+}
+
+/// A gpt-oss HF checkpoint (experts stacked input-major, gate and up interleaved) gives the greedy tokens of the
+/// same weights converted to GGUF as llama.cpp's converter lays them out (which tests/tests/llama_oracle.rs runs
+/// against llama.cpp).
+#[test]
+fn gpt_oss_checkpoint_equals_its_gguf_conversion() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let shape = SyntheticShape::named("gpt-oss-tiny").expect("a named shape");
+    write_model(dir.path(), &shape, WeightDType::F32, SEED).expect("write the checkpoint");
+    let gguf = dir.path().join("converted.gguf");
+    gpt_oss_gguf_from_hf(&shape, dir.path(), &gguf, None).expect("convert");
+    let prompt: Vec<u32> = (1..30).map(|i| i * 37 % 4000).collect();
+    let config = GenerationConfig {
+        max_new_tokens: NEW_TOKENS,
+        ignore_eos: true,
+        ..GenerationConfig::default()
+    };
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let run = |model: &Path| {
+        let mut source = ModelSource::open(model).expect("open the model");
+        source.set_hash_cache(None);
+        rt.block_on(async {
+            Generator::local(&source, Placement::cpu_f32())?
+                .generate_ids(&prompt, &config)
+                .await
+        })
+        .expect("generation")
+    };
+    let (checkpoint, converted) = (run(dir.path()), run(&gguf));
+    assert_eq!(checkpoint.output.tokens, converted.output.tokens);
+    assert_eq!(checkpoint.output.tokens.len(), NEW_TOKENS);
 }

@@ -6,7 +6,8 @@
 //! llama-cpp-python sdist (about ten minutes on two cores, beyond CI's budget) and then runs these with
 //! `LLAMA_SIMPLE` naming it.
 use petal_model::synthetic::{
-    write_gguf, GgufFormat, GgufTokenizer, SyntheticFamily, SyntheticShape,
+    gpt_oss_gguf_from_hf, write_gguf, write_model, GgufFormat, GgufTokenizer, SyntheticFamily,
+    SyntheticShape, WeightDType,
 };
 use petal_tests::*;
 use std::path::{Path, PathBuf};
@@ -45,30 +46,27 @@ fn matches_llama_cpp(shape: SyntheticShape, spans: [&str; 2]) {
     let tokenizer = GgufTokenizer::from_gguf(&smollm_gguf()).expect("SmolLM2's tokenizer");
     let path = dir.path().join(format!("{}-f32.gguf", shape.name));
     write_gguf(&path, &shape, GgufFormat::F32, &tokenizer, SEED).expect("write the GGUF");
-    let expected = llama_text(&path);
+    file_matches_llama_cpp(shape.name, &path, spans);
+}
+
+/// llama.cpp's text of the GGUF at `path`, and ours locally and over two nodes.
+fn file_matches_llama_cpp(name: &str, path: &Path, spans: [&str; 2]) {
+    let expected = llama_text(path);
     let greedy = |g: Generate| {
         g.max_new_tokens(NEW_TOKENS)
             .ignore_eos()
             .args(&["--temperature", "0"])
             .run_json()
     };
-    let local = greedy(Generate::new(&path, PROMPT).local());
+    let local = greedy(Generate::new(path, PROMPT).local());
     assert_eq!(local.tokens.len(), NEW_TOKENS);
-    assert_eq!(
-        local.text, expected,
-        "{}: local run vs llama.cpp",
-        shape.name
-    );
+    assert_eq!(local.text, expected, "{name}: local run vs llama.cpp");
     let swarm = Swarm::builder()
-        .node_with(&path, spans[0], &[])
-        .node_with(&path, spans[1], &[])
+        .node_with(path, spans[0], &[])
+        .node_with(path, spans[1], &[])
         .start();
-    let remote = greedy(swarm.generate(&path, PROMPT));
-    assert_eq!(
-        remote.text, expected,
-        "{}: two nodes vs llama.cpp",
-        shape.name
-    );
+    let remote = greedy(swarm.generate(path, PROMPT));
+    assert_eq!(remote.text, expected, "{name}: two nodes vs llama.cpp");
 }
 
 fn tiny(name: &str) -> SyntheticShape {
@@ -98,4 +96,32 @@ fn deepseek_v2_gguf_equals_llama_cpp() {
 #[ignore = "needs llama.cpp's llama-simple: scripts/llama-oracle"]
 fn qwen3moe_gguf_equals_llama_cpp() {
     matches_llama_cpp(tiny("moe-tiny"), ["0..3", "3..6"]);
+}
+
+/// gpt-oss: attention sinks, every other layer windowed (a window the generation outgrows), biases on attention,
+/// router and experts, the clamped SwiGLU (biases large enough to reach the clamp), YaRN, softmax over the best
+/// experts' logits.
+#[test]
+#[ignore = "needs llama.cpp's llama-simple: scripts/llama-oracle"]
+fn gpt_oss_gguf_equals_llama_cpp() {
+    matches_llama_cpp(tiny("gpt-oss-tiny"), ["0..1", "1..4"]);
+}
+
+/// gpt-oss from its HF checkpoint's layout (stacked, input-major experts with gate and up interleaved): the
+/// checkpoint converted as llama.cpp's converter does gives llama.cpp's text; tests/tests/families.rs checks that
+/// the checkpoint itself gives the converted file's tokens.
+#[test]
+#[ignore = "needs llama.cpp's llama-simple: scripts/llama-oracle"]
+fn gpt_oss_hf_converted_equals_llama_cpp() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tokenizer = GgufTokenizer::from_gguf(&smollm_gguf()).expect("SmolLM2's tokenizer");
+    let shape = SyntheticShape {
+        vocab_size: tokenizer.vocab_size(),
+        ..tiny("gpt-oss-tiny")
+    };
+    let hf = dir.path().join("hf");
+    write_model(&hf, &shape, WeightDType::BF16, SEED).expect("write the checkpoint");
+    let path = dir.path().join("converted.gguf");
+    gpt_oss_gguf_from_hf(&shape, &hf, &path, Some(&tokenizer)).expect("convert");
+    file_matches_llama_cpp("gpt-oss converted", &path, ["0..2", "2..4"]);
 }

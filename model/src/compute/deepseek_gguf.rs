@@ -78,6 +78,7 @@ pub(crate) fn deepseek2_options(
                 beta_slow: f32_of("rope.scaling.yarn_beta_slow").unwrap_or(1.0),
                 mscale: mscale_all_dim,
                 mscale_all_dim,
+                truncate: true,
             })
         }
         None | Some("none") => None,
@@ -127,6 +128,7 @@ pub(crate) fn deepseek2_options(
                 .filter(|&s| s != 0.0)
                 .unwrap_or(1.0),
             shared_size: (shared > 0).then_some(shared * expert_size),
+            ..Moe::default()
         })
     };
     Ok(DeepseekOptions { latent, yarn, moe })

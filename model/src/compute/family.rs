@@ -14,10 +14,11 @@
 //! | gemma3  | gemma2 + q/k norms, every n-th layer global, own RoPE base for windowed layers, linear scaling  |
 //! | deepseek_v2 | latent attention (a compressed KV), YaRN, experts with shared ones, dense first layers      |
 //! | deepseek_v3 | deepseek_v2 + sigmoid routing with a correction bias, limited to the best groups of experts |
+//! | gpt_oss | attention sinks, every other layer windowed, biases everywhere, YaRN, clamped SwiGLU experts        |
 use serde::{Deserialize, Serialize};
 
 /// The gating activation of the feed-forward: `down(act(gate(x)) * up(x))`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Activation {
     /// SwiGLU (Llama, Mistral, Qwen, Phi-3).
@@ -27,6 +28,9 @@ pub enum Activation {
     GeluTanh,
     /// GeGLU with the exact erf GELU.
     Gelu,
+    /// gpt-oss's SwiGLU: the gate clamped above at `limit`, the up projection to `±limit`, and
+    /// `(up + 1) * gate * sigmoid(alpha * gate)`.
+    ClampedSwiglu { alpha: f32, limit: f32 },
 }
 
 impl Activation {
@@ -100,6 +104,9 @@ pub struct Moe {
     /// `n_shared_experts x moe_intermediate_size`, one MLP in the files).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared_size: Option<usize>,
+    /// The router's logits and each expert's three projections have biases (gpt-oss).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub biases: bool,
 }
 
 /// One expert of one, softmax routing, nothing shared: a base to fill in.
@@ -116,6 +123,7 @@ impl Default for Moe {
             choice_bias: false,
             routed_scale: 1.0,
             shared_size: None,
+            biases: false,
         }
     }
 }
@@ -153,9 +161,10 @@ impl LatentAttention {
     }
 }
 
-/// YaRN RoPE scaling (DeepSeek's `rope_scaling.type == "yarn"`): frequencies interpolated by `factor` below a band
-/// set by `beta_fast`/`beta_slow` rotations over the original context, the tables scaled by `mscale`'s ratio and
-/// the scores by `mscale_all_dim`'s square.
+/// YaRN RoPE scaling (`rope_scaling.type == "yarn"`: DeepSeek, gpt-oss): frequencies interpolated by `factor` below
+/// a band set by `beta_fast`/`beta_slow` rotations over the original context, the tables scaled by `mscale`'s
+/// ratio and the scores by `mscale_all_dim`'s square (HF's default `attention_factor` is `mscale` 1 over
+/// `mscale_all_dim` 0).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Yarn {
     pub factor: f32,
@@ -164,6 +173,9 @@ pub struct Yarn {
     pub beta_slow: f32,
     pub mscale: f32,
     pub mscale_all_dim: f32,
+    /// The band's ends are rounded outwards to whole pairs (HF's `truncate`, default true; llama.cpp always does).
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub truncate: bool,
 }
 
 impl Yarn {
@@ -224,10 +236,25 @@ pub struct FamilyOptions {
     pub latent_attention: Option<LatentAttention>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub yarn: Option<Yarn>,
+    /// One learned logit per query head joins every softmax of its scores and takes its share of the weight, with
+    /// no value (gpt-oss's `sinks`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub attention_sinks: bool,
+    /// A bias on the attention's output projection (gpt-oss, and Llama with `attention_bias`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub output_bias: bool,
 }
 
 fn is_false(b: &bool) -> bool {
     !*b
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn is_default<T: Default + PartialEq>(v: &T) -> bool {

@@ -2,7 +2,7 @@
 //! their own tensors.
 use crate::compute::block_range::BlockRange;
 use crate::compute::deepseek_gguf::deepseek2_options;
-use crate::compute::family::{Activation, FamilyOptions, Moe, SlidingWindow};
+use crate::compute::family::{Activation, FamilyOptions, Moe, SlidingWindow, Yarn};
 use crate::compute::hash_cache::HashCache;
 use crate::compute::head::Head;
 use crate::compute::placement::Placement;
@@ -390,7 +390,15 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
         .unwrap_or_default();
     if !matches!(
         arch.as_str(),
-        "llama" | "qwen2" | "qwen3" | "qwen3moe" | "phi3" | "gemma2" | "gemma3" | "deepseek2"
+        "llama"
+            | "qwen2"
+            | "qwen3"
+            | "qwen3moe"
+            | "phi3"
+            | "gemma2"
+            | "gemma3"
+            | "deepseek2"
+            | "gpt-oss"
     ) {
         return Err(ModelError::UnknownArchitecture(arch));
     }
@@ -437,10 +445,11 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
         }
     };
     let gemma = arch.starts_with("gemma");
+    let gpt_oss = arch == "gpt-oss";
     let window = need_u32("attention.sliding_window").ok().filter(|&w| w > 0);
     // Which layers llama.cpp windows: Gemma 2 the even ones, Gemma 3 five in six, Phi-3 all when set.
     let windowed: Vec<usize> = match arch.as_str() {
-        "gemma2" => (0..blocks).filter(|i| i % 2 == 0).collect(),
+        "gemma2" | "gpt-oss" => (0..blocks).filter(|i| i % 2 == 0).collect(),
         "gemma3" => {
             let n = need_u32("attention.sliding_window_type")
                 .unwrap_or(6)
@@ -457,6 +466,12 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
         norm_plus_one: false,
         activation: if gemma {
             Activation::GeluTanh
+        } else if gpt_oss {
+            // llama.cpp's constants for gpt-oss (no key holds them).
+            Activation::ClampedSwiglu {
+                alpha: 1.702,
+                limit: 7.0,
+            }
         } else {
             Activation::Silu
         },
@@ -480,7 +495,12 @@ fn gguf_spec(name: &str, w: &GgufWeights) -> Result<ModelSpec> {
         fused_projections: arch == "phi3",
         moe,
         latent_attention: deepseek.as_ref().map(|d| d.latent),
-        yarn: deepseek.as_ref().and_then(|d| d.yarn),
+        yarn: match &deepseek {
+            Some(d) => d.yarn,
+            None => gguf_yarn(&|k| get(k).cloned())?,
+        },
+        attention_sinks: w.has_tensor("blk.0.attn_sinks.weight"),
+        output_bias: w.has_tensor("blk.0.attn_output.bias"),
     };
     let token_id = |key: &str| md.get(key).and_then(|v: &Value| v.to_u32().ok());
     let spec = ModelSpec {
@@ -541,7 +561,7 @@ fn gguf_moe(
         return Ok(None);
     }
     let expert_size = match arch {
-        "qwen3moe" => need_u32("expert_feed_forward_length")?,
+        "qwen3moe" | "gpt-oss" => need_u32("expert_feed_forward_length")?,
         _ => need_u32("feed_forward_length")?,
     };
     Ok(Some(Moe {
@@ -550,8 +570,34 @@ fn gguf_moe(
         normalize_top_k: true,
         expert_size,
         dense_layers: (0..blocks).filter(|&b| !has_router(b)).collect(),
+        // gpt-oss's softmax over its best experts' logits equals the renormalised softmax over all of them.
+        biases: arch == "gpt-oss",
         ..Moe::default()
     }))
+}
+
+/// YaRN from the common keys (`rope.scaling.type` = `yarn`; gpt-oss): llama.cpp scales the tables by
+/// `1 + 0.1 ln(factor)` (`mscale` 1 over `mscale_all_dim` 0 here) and always rounds the band outwards.
+fn gguf_yarn(get: &dyn Fn(&str) -> Option<Value>) -> Result<Option<Yarn>> {
+    let f32_of = |k: &str| get(k).and_then(|v| v.to_f32().ok());
+    match get("rope.scaling.type").and_then(|v| v.to_string().ok().cloned()) {
+        Some(t) if t == "yarn" => Ok(Some(Yarn {
+            factor: f32_of("rope.scaling.factor").unwrap_or(1.0),
+            original_max_position: get("rope.scaling.original_context_length")
+                .and_then(|v| v.to_u32().ok())
+                .ok_or_else(|| {
+                    ModelError::Config(
+                        "GGUF YaRN lacks rope.scaling.original_context_length".into(),
+                    )
+                })? as usize,
+            beta_fast: f32_of("rope.scaling.yarn_beta_fast").unwrap_or(32.0),
+            beta_slow: f32_of("rope.scaling.yarn_beta_slow").unwrap_or(1.0),
+            mscale: 1.0,
+            mscale_all_dim: 0.0,
+            truncate: true,
+        })),
+        _ => Ok(None),
+    }
 }
 
 #[cfg(test)]

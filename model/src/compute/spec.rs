@@ -163,6 +163,13 @@ impl ModelSpec {
                 ));
             }
         }
+        if let Activation::ClampedSwiglu { alpha, limit } = o.activation {
+            if !(alpha.is_finite() && limit.is_finite() && limit > 0.0) {
+                return bad(format!(
+                    "clamped SwiGLU needs a finite alpha and a positive limit: {alpha}, {limit}"
+                ));
+            }
+        }
         if let Some(y) = &o.yarn {
             if !(y.factor.is_finite() && y.factor > 0.0) || y.original_max_position == 0 {
                 return bad(format!(
@@ -267,9 +274,11 @@ impl ModelSpec {
             "gemma3_text" | "Gemma3ForCausalLM" => "gemma3",
             "deepseek_v2" | "DeepseekV2ForCausalLM" => "deepseek_v2",
             "deepseek_v3" | "DeepseekV3ForCausalLM" => "deepseek_v3",
+            "gpt_oss" | "GptOssForCausalLM" => "gpt_oss",
             _ => return Err(ModelError::UnknownArchitecture(arch)),
         };
         let deepseek = family.starts_with("deepseek");
+        let gpt_oss = family == "gpt_oss";
         if deepseek {
             let methods = ["greedy", "group_limited_greedy", "noaux_tc"];
             if let Some(m) = c.topk_method.as_deref().filter(|m| !methods.contains(m)) {
@@ -329,6 +338,7 @@ impl ModelSpec {
                     beta_slow: s.beta_slow.unwrap_or(1.0),
                     mscale: s.mscale.unwrap_or(1.0),
                     mscale_all_dim: s.mscale_all_dim.unwrap_or(0.0),
+                    truncate: s.truncate.unwrap_or(true),
                 })
             }
             Some(("llama3", s)) => {
@@ -362,9 +372,19 @@ impl ModelSpec {
             } else {
                 "silu"
             });
-        let activation = Activation::from_hf(act_name).ok_or_else(|| {
-            ModelError::Config(format!("activation {act_name:?} is not supported"))
-        })?;
+        let activation = match Activation::from_hf(act_name) {
+            // gpt-oss names its clamped SwiGLU `silu`; the clamp and its constants are in its code and config.
+            Some(Activation::Silu) if gpt_oss => Activation::ClampedSwiglu {
+                alpha: 1.702,
+                limit: c.swiglu_limit.unwrap_or(7.0),
+            },
+            Some(a) => a,
+            None => {
+                return Err(ModelError::Config(format!(
+                    "activation {act_name:?} is not supported"
+                )))
+            }
+        };
         let layers = c.num_hidden_layers;
         // Which layers are windowed: an explicit `layer_types` list wins (newer configs); else each family's rule.
         let listed = c.layer_types.as_ref().map(|types| {
@@ -378,7 +398,7 @@ impl ModelSpec {
             "qwen2" | "qwen3" | "qwen3_moe" if c.use_sliding_window.unwrap_or(false) => {
                 (c.max_window_layers.unwrap_or(0)..layers).collect()
             }
-            "gemma2" => (0..layers).filter(|i| i % 2 == 0).collect(),
+            "gemma2" | "gpt_oss" => (0..layers).filter(|i| i % 2 == 0).collect(),
             "gemma3" => {
                 let n = c.sliding_window_pattern.unwrap_or(6).max(1);
                 (0..layers).filter(|i| (i + 1) % n != 0).collect()
@@ -431,6 +451,15 @@ impl ModelSpec {
                         ..Moe::default()
                     })
                 }
+                // A softmax over the best experts' logits: the same weights as all experts' softmax renormalised.
+                "gpt_oss" => Some(Moe {
+                    num_experts: c.num_local_experts.unwrap_or(32),
+                    experts_per_token: c.num_experts_per_tok.unwrap_or(4),
+                    normalize_top_k: true,
+                    expert_size: c.intermediate_size,
+                    biases: true,
+                    ..Moe::default()
+                }),
                 "deepseek_v2" | "deepseek_v3" => c.n_routed_experts.map(|experts| {
                     // HF: layers before `first_k_dense_replace`, and those off `moe_layer_freq`, are dense.
                     let first_sparse = c.first_k_dense_replace.unwrap_or(0);
@@ -463,12 +492,15 @@ impl ModelSpec {
                             factor
                         },
                         shared_size: c.n_shared_experts.map(|n| n * expert_size),
+                        ..Moe::default()
                     }
                 }),
                 _ => None,
             },
             latent_attention,
             yarn,
+            attention_sinks: gpt_oss,
+            output_bias: gpt_oss,
         };
         let spec = Self {
             name: name.to_string(),
@@ -568,6 +600,7 @@ struct HfConfig {
     topk_group: Option<usize>,
     first_k_dense_replace: Option<usize>,
     moe_layer_freq: Option<usize>,
+    swiglu_limit: Option<f32>,
 }
 
 #[derive(Deserialize)]
@@ -583,6 +616,7 @@ struct HfRopeScaling {
     beta_slow: Option<f32>,
     mscale: Option<f32>,
     mscale_all_dim: Option<f32>,
+    truncate: Option<bool>,
 }
 
 #[derive(Deserialize)]

@@ -8,7 +8,9 @@
 //! names, so the file runs with text in Petal and in llama.cpp alike. Written streaming, tensor by tensor, at the
 //! speed of the disk; a file already written with the same shape, format, tokenizer and seed is kept.
 use super::gguf_deepseek::{deepseek2_metadata, override_metadata};
-use super::values::{fnv1a, norm_value, SplitMix64, ValueTable};
+use super::gguf_gpt_oss::{gpt_oss_block, gpt_oss_metadata};
+use super::gguf_header::write_header;
+use super::values::{fnv1a, large_value, norm_value, small_value, SplitMix64, ValueTable, Values};
 use super::{is_current, SyntheticFamily, SyntheticShape, WeightDType};
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::GgmlDType;
@@ -162,12 +164,13 @@ pub fn write_gguf(
             | SyntheticFamily::Qwen3Moe
             | SyntheticFamily::DeepseekV2
             | SyntheticFamily::DeepseekV3
+            | SyntheticFamily::GptOss
     );
     if !supported {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             format!(
-                "synthetic GGUF files are Llama, Qwen3-MoE or DeepSeek; {} is not",
+                "synthetic GGUF files are Llama, Qwen3-MoE, DeepSeek or gpt-oss; {} is not",
                 shape.family.name()
             ),
         ));
@@ -216,7 +219,8 @@ pub fn write_gguf(
     let partial = path.with_extension("gguf.partial");
     let bytes = {
         let mut out = BufWriter::with_capacity(1 << 22, File::create(&partial)?);
-        write_header(&mut out, &shape, format, tokenizer, &tensors)?;
+        let metadata = gguf_metadata(&shape, format, Some(tokenizer));
+        write_header(&mut out, &metadata, &tensors)?;
         for t in &tensors {
             let mut rng = SplitMix64::new(seed ^ fnv1a(t.name.as_bytes()));
             write_tensor(&mut out, t, &mut rng)?;
@@ -235,16 +239,16 @@ pub fn write_gguf(
 }
 
 /// One tensor of the file: GGUF's dimensions (the row length first).
-struct GgufTensor {
-    name: String,
-    dims: Vec<usize>,
-    dtype: GgmlDType,
-    /// An f32 tensor of weights (an expert router) rather than of norm values.
-    weights: bool,
+pub(super) struct GgufTensor {
+    pub name: String,
+    pub dims: Vec<usize>,
+    pub dtype: GgmlDType,
+    /// What an f32 tensor holds (a quantized one holds random blocks of weights).
+    pub values: Values,
 }
 
 impl GgufTensor {
-    fn bytes(&self) -> usize {
+    pub(super) fn bytes(&self) -> usize {
         let elems: usize = self.dims.iter().product();
         elems / self.dtype.block_size() * self.dtype.type_size()
     }
@@ -270,13 +274,13 @@ fn gguf_tensors(shape: &SyntheticShape, format: GgufFormat) -> Vec<GgufTensor> {
             name,
             dims: vec![cols, rows],
             dtype: fits(format.matrix_type(role, block.map(|i| (i, n))), cols),
-            weights: true,
+            values: Values::Weight,
         };
     let norm = |name: String, len: usize| GgufTensor {
         name,
         dims: vec![len],
         dtype: GgmlDType::F32,
-        weights: false,
+        values: Values::Norm,
     };
     let mut t = vec![matrix(
         "token_embd.weight".into(),
@@ -288,6 +292,17 @@ fn gguf_tensors(shape: &SyntheticShape, format: GgufFormat) -> Vec<GgufTensor> {
     for i in 0..n {
         let p = format!("blk.{i}");
         let b = Some(i);
+        if shape.family == SyntheticFamily::GptOss {
+            t.extend(gpt_oss_block(shape, &p, &|name, rows, cols, more_bits| {
+                let role = if more_bits {
+                    Role::MoreBits
+                } else {
+                    Role::Plain
+                };
+                matrix(name, rows, cols, role, b)
+            }));
+            continue;
+        }
         if deepseek {
             // llama.cpp's MLA layout: the latent's expansion split per head, the key's transposed.
             let (q_rank, kv_rank, nope, rope, value) = shape.latent_dims();
@@ -360,7 +375,7 @@ fn gguf_tensors(shape: &SyntheticShape, format: GgufFormat) -> Vec<GgufTensor> {
                         name: format!("{p}.ffn_gate_inp.weight"),
                         dims: vec![h, e.count],
                         dtype: GgmlDType::F32,
-                        weights: true,
+                        values: Values::Weight,
                     },
                     stacked("ffn_gate_exps.weight", e.size, h, Role::Plain),
                     stacked("ffn_up_exps.weight", e.size, h, Role::Plain),
@@ -371,7 +386,7 @@ fn gguf_tensors(shape: &SyntheticShape, format: GgufFormat) -> Vec<GgufTensor> {
                         name: format!("{p}.exp_probs_b.bias"),
                         dims: vec![e.count],
                         dtype: GgmlDType::F32,
-                        weights: true,
+                        values: Values::Weight,
                     });
                 }
                 if e.shared > 0 {
@@ -409,26 +424,26 @@ fn gguf_tensors(shape: &SyntheticShape, format: GgufFormat) -> Vec<GgufTensor> {
     t
 }
 
-const ALIGNMENT: u64 = 32;
+pub(super) const ALIGNMENT: u64 = 32;
 
-fn pad<W: Write + Seek>(out: &mut W) -> io::Result<()> {
+pub(super) fn pad<W: Write + Seek>(out: &mut W) -> io::Result<()> {
     let pos = out.stream_position()?;
     let padding = (ALIGNMENT - pos % ALIGNMENT) % ALIGNMENT;
     out.write_all(&[0u8; ALIGNMENT as usize][..padding as usize])
 }
 
-/// GGUF v3: magic, counts, the metadata, the tensor descriptions with their data offsets, padding.
-fn write_header<W: Write + Seek>(
-    out: &mut W,
+/// The file's metadata: the architecture's keys for `shape` (as llama.cpp's converter writes them), then the
+/// tokenizer's.
+pub(super) fn gguf_metadata(
     shape: &SyntheticShape,
     format: GgufFormat,
-    tokenizer: &GgufTokenizer,
-    tensors: &[GgufTensor],
-) -> io::Result<()> {
+    tokenizer: Option<&GgufTokenizer>,
+) -> Vec<(String, Value)> {
     let u32v = |v: usize| Value::U32(v as u32);
     let arch = match shape.family {
         SyntheticFamily::Qwen3Moe => "qwen3moe",
         SyntheticFamily::DeepseekV2 | SyntheticFamily::DeepseekV3 => "deepseek2",
+        SyntheticFamily::GptOss => "gpt-oss",
         _ => "llama",
     };
     let k = |key: &str| format!("{arch}.{key}");
@@ -463,100 +478,13 @@ fn write_header<W: Write + Seek>(
     if arch == "deepseek2" {
         override_metadata(&mut metadata, deepseek2_metadata(shape));
     }
-    metadata.extend(tokenizer.metadata.iter().cloned());
-    out.write_all(b"GGUF")?;
-    out.write_all(&3u32.to_le_bytes())?;
-    out.write_all(&(tensors.len() as u64).to_le_bytes())?;
-    out.write_all(&(metadata.len() as u64).to_le_bytes())?;
-    for (key, value) in &metadata {
-        write_string(out, key)?;
-        out.write_all(&value_type(value)?.to_le_bytes())?;
-        write_value(out, value)?;
+    if arch == "gpt-oss" {
+        override_metadata(&mut metadata, gpt_oss_metadata(shape));
     }
-    let mut offset = 0u64;
-    for t in tensors {
-        write_string(out, &t.name)?;
-        out.write_all(&(t.dims.len() as u32).to_le_bytes())?;
-        for &d in &t.dims {
-            out.write_all(&(d as u64).to_le_bytes())?;
-        }
-        out.write_all(&ggml_type_id(t.dtype).to_le_bytes())?;
-        out.write_all(&offset.to_le_bytes())?;
-        offset += (t.bytes() as u64).div_ceil(ALIGNMENT) * ALIGNMENT;
+    if let Some(t) = tokenizer {
+        metadata.extend(t.metadata.iter().cloned());
     }
-    pad(out)
-}
-
-/// ggml's `ggml_type` number of the types this module writes.
-fn ggml_type_id(dtype: GgmlDType) -> u32 {
-    match dtype {
-        GgmlDType::F32 => 0,
-        GgmlDType::Q4_0 => 2,
-        GgmlDType::Q8_0 => 8,
-        GgmlDType::Q4K => 12,
-        GgmlDType::Q5K => 13,
-        GgmlDType::Q6K => 14,
-        other => unreachable!("synthetic GGUF files hold no {other:?}"),
-    }
-}
-
-fn write_string(out: &mut impl Write, s: &str) -> io::Result<()> {
-    out.write_all(&(s.len() as u64).to_le_bytes())?;
-    out.write_all(s.as_bytes())
-}
-
-/// GGUF's code for the type of `v` (an array's elements must share one).
-fn value_type(v: &Value) -> io::Result<u32> {
-    Ok(match v {
-        Value::U8(_) => 0,
-        Value::I8(_) => 1,
-        Value::U16(_) => 2,
-        Value::I16(_) => 3,
-        Value::U32(_) => 4,
-        Value::I32(_) => 5,
-        Value::F32(_) => 6,
-        Value::Bool(_) => 7,
-        Value::String(_) => 8,
-        Value::Array(_) => 9,
-        Value::U64(_) => 10,
-        Value::I64(_) => 11,
-        Value::F64(_) => 12,
-    })
-}
-
-fn write_value(out: &mut impl Write, v: &Value) -> io::Result<()> {
-    match v {
-        Value::U8(x) => out.write_all(&[*x]),
-        Value::I8(x) => out.write_all(&x.to_le_bytes()),
-        Value::U16(x) => out.write_all(&x.to_le_bytes()),
-        Value::I16(x) => out.write_all(&x.to_le_bytes()),
-        Value::U32(x) => out.write_all(&x.to_le_bytes()),
-        Value::I32(x) => out.write_all(&x.to_le_bytes()),
-        Value::U64(x) => out.write_all(&x.to_le_bytes()),
-        Value::I64(x) => out.write_all(&x.to_le_bytes()),
-        Value::F32(x) => out.write_all(&x.to_le_bytes()),
-        Value::F64(x) => out.write_all(&x.to_le_bytes()),
-        Value::Bool(x) => out.write_all(&[u8::from(*x)]),
-        Value::String(s) => write_string(out, s),
-        Value::Array(items) => {
-            let kind = match items.first() {
-                Some(first) => value_type(first)?,
-                None => 4,
-            };
-            out.write_all(&kind.to_le_bytes())?;
-            out.write_all(&(items.len() as u64).to_le_bytes())?;
-            for item in items {
-                if value_type(item)? != kind {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        "a GGUF array mixes value types",
-                    ));
-                }
-                write_value(out, item)?;
-            }
-            Ok(())
-        }
-    }
+    metadata
 }
 
 /// The little-endian f16 bits of `v`.
@@ -567,10 +495,11 @@ fn f16_le(v: f32) -> [u8; 2] {
 /// Writes a tensor's data: norms from the synthetic norm grid, matrices as random blocks of their type.
 fn write_tensor(out: &mut impl Write, t: &GgufTensor, rng: &mut SplitMix64) -> io::Result<()> {
     if t.dtype == GgmlDType::F32 {
-        let table = if t.weights {
-            ValueTable::new(WeightDType::F32, |k| k as f32 / 4096.0)
-        } else {
-            ValueTable::new(WeightDType::F32, norm_value)
+        let table = match t.values {
+            Values::Weight => ValueTable::new(WeightDType::F32, |k| k as f32 / 4096.0),
+            Values::Large => ValueTable::new(WeightDType::F32, large_value),
+            Values::Small => ValueTable::new(WeightDType::F32, small_value),
+            Values::Norm | Values::NormMinusOne => ValueTable::new(WeightDType::F32, norm_value),
         };
         return table.write_random(out, t.dims.iter().product(), rng);
     }

@@ -14,18 +14,23 @@ use std::fs::File;
 use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+mod config;
 mod gguf;
 mod gguf_deepseek;
+mod gguf_gpt_oss;
+mod gguf_header;
 mod shapes;
+mod tensors;
 mod values;
 
 pub use gguf::{write_gguf, GgufFormat, GgufTokenizer, WrittenGguf};
 pub use gguf_deepseek::{deepseek2_metadata, override_metadata};
+pub use gguf_gpt_oss::gpt_oss_gguf_from_hf;
 pub use shapes::{MINI, SHAPES};
 
 #[cfg(test)]
 use values::{encode, f16_bits};
-use values::{fnv1a, norm_value, SplitMix64, ValueTable, Values};
+use values::{fnv1a, large_value, norm_value, small_value, SplitMix64, ValueTable, Values};
 
 /// The dtype weights are stored in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +98,9 @@ pub enum SyntheticFamily {
     /// DeepSeek-V2 with one query projection and V3's routing: sigmoid scores, a choice bias, the best two of four
     /// groups.
     DeepseekV3,
+    /// Attention sinks, every other layer windowed, biases on attention and on [`GPT_OSS_EXPERTS`] experts of the
+    /// dense width (two per token), clamped SwiGLU, YaRN.
+    GptOss,
 }
 
 /// Experts per block of a synthetic Mixtral, unless its shape says otherwise.
@@ -101,6 +109,8 @@ pub const MIXTRAL_EXPERTS: usize = 4;
 pub const QWEN3_MOE_EXPERTS: usize = 8;
 /// Routed experts per block of a synthetic DeepSeek, unless its shape says otherwise.
 pub const DEEPSEEK_EXPERTS: usize = 8;
+/// Experts per block of a synthetic gpt-oss, unless its shape says otherwise.
+pub const GPT_OSS_EXPERTS: usize = 8;
 
 /// The experts of a mixture: `count` per block, `per_token` chosen for each token, each `size` wide, and `shared`
 /// more of that width that every token goes through (DeepSeek's, written as one MLP).
@@ -123,7 +133,7 @@ pub struct LatentShape {
 }
 
 impl SyntheticFamily {
-    pub const ALL: [Self; 11] = [
+    pub const ALL: [Self; 12] = [
         Self::Llama,
         Self::Mistral,
         Self::Mixtral,
@@ -135,6 +145,7 @@ impl SyntheticFamily {
         Self::Gemma3,
         Self::DeepseekV2,
         Self::DeepseekV3,
+        Self::GptOss,
     ];
 
     /// The HF `model_type`.
@@ -151,6 +162,7 @@ impl SyntheticFamily {
             Self::Gemma3 => "gemma3_text",
             Self::DeepseekV2 => "deepseek_v2",
             Self::DeepseekV3 => "deepseek_v3",
+            Self::GptOss => "gpt_oss",
         }
     }
 
@@ -229,6 +241,12 @@ impl SyntheticShape {
                 size: self.intermediate_size / 2,
                 shared: 1,
             },
+            SyntheticFamily::GptOss => ExpertShape {
+                count: GPT_OSS_EXPERTS,
+                per_token: 2,
+                size: self.intermediate_size,
+                shared: 0,
+            },
             _ => return None,
         };
         Some(self.experts.unwrap_or(default))
@@ -256,7 +274,8 @@ impl SyntheticShape {
             | SyntheticFamily::Mixtral
             | SyntheticFamily::Phi3
             | SyntheticFamily::DeepseekV2
-            | SyntheticFamily::DeepseekV3 => self.tie_embeddings = false,
+            | SyntheticFamily::DeepseekV3
+            | SyntheticFamily::GptOss => self.tie_embeddings = false,
             _ => {}
         }
         self
@@ -270,254 +289,12 @@ impl SyntheticShape {
             .collect()
     }
 
-    fn tensor_kinds(&self) -> Vec<(String, Vec<usize>, Values)> {
-        use SyntheticFamily as F;
-        let (h, ff, hd) = (self.hidden_size, self.intermediate_size, self.head_dim());
-        let (q, kv) = (self.num_heads * hd, self.num_kv_heads * hd);
-        let norm = if self.family.is_gemma() {
-            Values::NormMinusOne
-        } else {
-            Values::Norm
-        };
-        let w = |name: String, dims: Vec<usize>| (name, dims, Values::Weight);
-        let mut t = vec![w(
-            "model.embed_tokens.weight".to_string(),
-            vec![self.vocab_size, h],
-        )];
-        for i in 0..self.num_blocks {
-            let p = format!("model.layers.{i}");
-            t.push((format!("{p}.input_layernorm.weight"), vec![h], norm));
-            if self.family.is_deepseek() {
-                let (q_rank, kv_rank, nope, rope, value) = self.latent_dims();
-                let (heads, a) = (self.num_heads, format!("{p}.self_attn"));
-                let q_out = heads * (nope + rope);
-                match q_rank {
-                    Some(r) => t.extend([
-                        w(format!("{a}.q_a_proj.weight"), vec![r, h]),
-                        (format!("{a}.q_a_layernorm.weight"), vec![r], norm),
-                        w(format!("{a}.q_b_proj.weight"), vec![q_out, r]),
-                    ]),
-                    None => t.push(w(format!("{a}.q_proj.weight"), vec![q_out, h])),
-                }
-                t.extend([
-                    w(
-                        format!("{a}.kv_a_proj_with_mqa.weight"),
-                        vec![kv_rank + rope, h],
-                    ),
-                    (format!("{a}.kv_a_layernorm.weight"), vec![kv_rank], norm),
-                    w(
-                        format!("{a}.kv_b_proj.weight"),
-                        vec![heads * (nope + value), kv_rank],
-                    ),
-                    w(format!("{a}.o_proj.weight"), vec![h, heads * value]),
-                ]);
-            } else if self.family == F::Phi3 {
-                t.push(w(
-                    format!("{p}.self_attn.qkv_proj.weight"),
-                    vec![q + 2 * kv, h],
-                ));
-            } else {
-                t.extend([
-                    w(format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
-                    w(format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
-                    w(format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
-                ]);
-            }
-            if self.family == F::Qwen2 {
-                t.extend([
-                    (
-                        format!("{p}.self_attn.q_proj.bias"),
-                        vec![q],
-                        Values::Weight,
-                    ),
-                    (
-                        format!("{p}.self_attn.k_proj.bias"),
-                        vec![kv],
-                        Values::Weight,
-                    ),
-                    (
-                        format!("{p}.self_attn.v_proj.bias"),
-                        vec![kv],
-                        Values::Weight,
-                    ),
-                ]);
-            }
-            if matches!(self.family, F::Qwen3 | F::Qwen3Moe | F::Gemma3) {
-                t.push((format!("{p}.self_attn.q_norm.weight"), vec![hd], norm));
-                t.push((format!("{p}.self_attn.k_norm.weight"), vec![hd], norm));
-            }
-            if !self.family.is_deepseek() {
-                t.push(w(format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
-            }
-            t.push((
-                format!("{p}.post_attention_layernorm.weight"),
-                vec![h],
-                norm,
-            ));
-            if self.family.is_gemma() {
-                t.push((
-                    format!("{p}.pre_feedforward_layernorm.weight"),
-                    vec![h],
-                    norm,
-                ));
-                t.push((
-                    format!("{p}.post_feedforward_layernorm.weight"),
-                    vec![h],
-                    norm,
-                ));
-            }
-            // DeepSeek's first block keeps a dense MLP.
-            let experts = self
-                .expert_shape()
-                .filter(|_| !(self.family.is_deepseek() && i == 0));
-            match (self.family, experts) {
-                (F::Phi3, _) => t.extend([
-                    w(format!("{p}.mlp.gate_up_proj.weight"), vec![2 * ff, h]),
-                    w(format!("{p}.mlp.down_proj.weight"), vec![h, ff]),
-                ]),
-                (
-                    _,
-                    Some(ExpertShape {
-                        count: n,
-                        size: ef,
-                        shared,
-                        ..
-                    }),
-                ) => {
-                    let (m, [gate, up, down]) = if self.family == F::Mixtral {
-                        (format!("{p}.block_sparse_moe"), ["w1", "w3", "w2"])
-                    } else {
-                        (format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"])
-                    };
-                    t.push(w(format!("{m}.gate.weight"), vec![n, h]));
-                    if self.family == F::DeepseekV3 {
-                        t.push(w(format!("{m}.gate.e_score_correction_bias"), vec![n]));
-                    }
-                    for e in 0..n {
-                        t.extend([
-                            w(format!("{m}.experts.{e}.{gate}.weight"), vec![ef, h]),
-                            w(format!("{m}.experts.{e}.{up}.weight"), vec![ef, h]),
-                            w(format!("{m}.experts.{e}.{down}.weight"), vec![h, ef]),
-                        ]);
-                    }
-                    if shared > 0 {
-                        let sf = shared * ef;
-                        t.extend([
-                            w(format!("{m}.shared_experts.{gate}.weight"), vec![sf, h]),
-                            w(format!("{m}.shared_experts.{up}.weight"), vec![sf, h]),
-                            w(format!("{m}.shared_experts.{down}.weight"), vec![h, sf]),
-                        ]);
-                    }
-                }
-                _ => t.extend([
-                    w(format!("{p}.mlp.gate_proj.weight"), vec![ff, h]),
-                    w(format!("{p}.mlp.up_proj.weight"), vec![ff, h]),
-                    w(format!("{p}.mlp.down_proj.weight"), vec![h, ff]),
-                ]),
-            }
-        }
-        t.push(("model.norm.weight".to_string(), vec![h], norm));
-        if !self.tie_embeddings {
-            t.push(w("lm_head.weight".to_string(), vec![self.vocab_size, h]));
-        }
-        t
-    }
-
     /// Number of weights.
     pub fn parameters(&self) -> u64 {
         self.tensors()
             .iter()
             .map(|(_, s)| s.iter().product::<usize>() as u64)
             .sum()
-    }
-
-    /// A Hugging Face `config.json` for this shape, with every field its family's reference (candle-transformers'
-    /// config structs, which require some that HF makes optional) reads.
-    pub fn config_json(&self, dtype: WeightDType) -> serde_json::Value {
-        use SyntheticFamily as F;
-        let mut c = serde_json::json!({
-            "architectures": [match self.family {
-                F::Llama => "LlamaForCausalLM",
-                F::Mistral => "MistralForCausalLM",
-                F::Mixtral => "MixtralForCausalLM",
-                F::Qwen2 => "Qwen2ForCausalLM",
-                F::Qwen3 => "Qwen3ForCausalLM",
-                F::Qwen3Moe => "Qwen3MoeForCausalLM",
-                F::Phi3 => "Phi3ForCausalLM",
-                F::Gemma2 => "Gemma2ForCausalLM",
-                F::Gemma3 => "Gemma3ForCausalLM",
-                F::DeepseekV2 => "DeepseekV2ForCausalLM",
-                F::DeepseekV3 => "DeepseekV3ForCausalLM",
-            }],
-            "model_type": self.family.name(),
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_blocks,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim(),
-            "vocab_size": self.vocab_size,
-            "max_position_embeddings": self.max_position,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0,
-            "tie_word_embeddings": self.tie_embeddings,
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-            "hidden_act": if self.family.is_gemma() { "gelu_pytorch_tanh" } else { "silu" },
-            "torch_dtype": match dtype {
-                WeightDType::F32 => "float32",
-                WeightDType::F16 => "float16",
-                WeightDType::BF16 => "bfloat16",
-            },
-        });
-        let window = self.sliding_window;
-        let ex = self
-            .expert_shape()
-            .map_or((0, 0, 0, 0), |e| (e.count, e.per_token, e.size, e.shared));
-        let extra = match self.family {
-            F::Llama => serde_json::json!({}),
-            F::Mistral | F::Phi3 => serde_json::json!({ "sliding_window": window }),
-            F::Mixtral => serde_json::json!({ "sliding_window": window,
-                "num_local_experts": ex.0, "num_experts_per_tok": ex.1, "use_flash_attn": false }),
-            F::Qwen2 | F::Qwen3 => serde_json::json!({
-                "sliding_window": window.unwrap_or(self.max_position),
-                "use_sliding_window": window.is_some(), "max_window_layers": 1, "attention_bias": false }),
-            F::Qwen3Moe => serde_json::json!({
-                "sliding_window": window.unwrap_or(self.max_position),
-                "use_sliding_window": window.is_some(), "max_window_layers": 1, "attention_bias": false,
-                "num_experts": ex.0, "num_experts_per_tok": ex.1, "norm_topk_prob": true,
-                "moe_intermediate_size": ex.2, "decoder_sparse_step": 1,
-                "mlp_only_layers": [] }),
-            F::DeepseekV2 | F::DeepseekV3 => {
-                let (q_rank, kv_rank, nope, rope, value) = self.latent_dims();
-                let v3 = self.family == F::DeepseekV3;
-                serde_json::json!({
-                    "q_lora_rank": q_rank, "kv_lora_rank": kv_rank, "qk_nope_head_dim": nope,
-                    "qk_rope_head_dim": rope, "v_head_dim": value, "attention_bias": false,
-                    "num_key_value_heads": self.num_heads,
-                    "n_routed_experts": ex.0, "num_experts_per_tok": ex.1, "moe_intermediate_size": ex.2,
-                    "n_shared_experts": ex.3, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-                    "topk_method": if v3 { "noaux_tc" } else { "greedy" },
-                    "scoring_func": if v3 { "sigmoid" } else { "softmax" },
-                    "n_group": if v3 { 4 } else { 1 }, "topk_group": if v3 { 2 } else { 1 },
-                    "norm_topk_prob": v3, "routed_scaling_factor": if v3 { 2.5 } else { 1.5 },
-                    "rope_scaling": { "type": "yarn", "factor": 4.0,
-                        "original_max_position_embeddings": self.max_position / 4,
-                        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 0.8 },
-                })
-            }
-            F::Gemma2 | F::Gemma3 => serde_json::json!({
-                "hidden_activation": "gelu_pytorch_tanh", "attention_bias": false,
-                "query_pre_attn_scalar": self.head_dim(),
-                "sliding_window": window.unwrap_or(self.max_position),
-                "sliding_window_pattern": 3, "rope_local_base_freq": 1000.0,
-                "final_logit_softcapping": if self.family == F::Gemma2 { Some(30.0) } else { None },
-                "attn_logit_softcapping": if self.family == F::Gemma2 { Some(50.0) } else { None } }),
-        };
-        if let (Some(c), Some(extra)) = (c.as_object_mut(), extra.as_object()) {
-            c.extend(extra.clone());
-        }
-        c
     }
 }
 
@@ -596,12 +373,16 @@ fn write_safetensors(
     let weights = ValueTable::new(dtype, |k| k as f32 / 4096.0);
     let norms = ValueTable::new(dtype, norm_value);
     let norms_minus_one = ValueTable::new(dtype, |k| (k / 4) as f32 / 128.0);
+    let large = ValueTable::new(dtype, large_value);
+    let small = ValueTable::new(dtype, small_value);
     for (name, dims, values) in &kinds {
         let count: usize = dims.iter().product();
         let table = match values {
             Values::Weight => &weights,
             Values::Norm => &norms,
             Values::NormMinusOne => &norms_minus_one,
+            Values::Large => &large,
+            Values::Small => &small,
         };
         let mut rng = SplitMix64::new(seed ^ fnv1a(name.as_bytes()));
         table.write_random(&mut out, count, &mut rng)?;

@@ -265,4 +265,45 @@ pub const SHAPES: &[SyntheticShape] = &[
             shared: 1,
         }),
     },
+    // gpt-oss-20b: 24 blocks of 64 query heads (8 KV heads) of 64 over a hidden 2880, every other one windowed to
+    // 128, 32 experts of 2880, four per token. Its context is cut to 32k to keep the RoPE tables small.
+    SyntheticShape {
+        name: "gpt-oss-20b",
+        hidden_size: 2880,
+        num_blocks: 24,
+        num_heads: 64,
+        num_kv_heads: 8,
+        intermediate_size: 2880,
+        vocab_size: 201088,
+        tie_embeddings: false,
+        max_position: 32768,
+        family: SyntheticFamily::GptOss,
+        sliding_window: Some(128),
+        head_size: Some(64),
+        latent: None,
+        experts: Some(ExpertShape {
+            count: 32,
+            per_token: 4,
+            size: 2880,
+            shared: 0,
+        }),
+    },
+    // gpt-oss at a size for tests: wider queries than the hidden size (as gpt-oss's), a window of 8 that a short
+    // generation outgrows, 8 experts, two per token.
+    SyntheticShape {
+        name: "gpt-oss-tiny",
+        hidden_size: 256,
+        num_blocks: 4,
+        num_heads: 8,
+        num_kv_heads: 2,
+        intermediate_size: 256,
+        vocab_size: 4096,
+        tie_embeddings: false,
+        max_position: 2048,
+        family: SyntheticFamily::GptOss,
+        sliding_window: Some(8),
+        head_size: Some(64),
+        latent: None,
+        experts: None,
+    },
 ];

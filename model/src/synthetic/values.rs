@@ -12,6 +12,23 @@ pub(super) enum Values {
     Norm,
     /// `k / 128`: a Gemma norm stored as `w - 1`.
     NormMinusOne,
+    /// `k / 16` (up to ±7.9): gpt-oss's expert biases, so that its SwiGLU's clamp at ±7 bites, and its sinks, so
+    /// that some heads give most of their weight to theirs and others none.
+    Large,
+    /// `k / 65536`: gpt-oss's expert down projections, so that the experts' clamped activations of up to 7 x 8 do
+    /// not drown the attention's output in the residual stream (with them at the weight grid, a model without
+    /// sinks gave the same greedy tokens).
+    Small,
+}
+
+/// A value of the grid [`Values::Large`] draws from.
+pub(super) fn large_value(k: i32) -> f32 {
+    k as f32 / 16.0
+}
+
+/// A value of the grid [`Values::Small`] draws from.
+pub(super) fn small_value(k: i32) -> f32 {
+    k as f32 / 65536.0
 }
 
 /// A norm weight of the grid [`Values::Norm`] draws from, for a random byte's `k`: `1 + (k / 4) / 128`.

@@ -40,6 +40,10 @@ pub struct Attention {
     /// RMSNorm of each query and key head before RoPE (Qwen3, Gemma 3).
     pub(crate) qk_norm: Option<[RmsNorm; 2]>,
     pub(crate) o: Linear,
+    /// The output projection's bias (gpt-oss).
+    pub(crate) o_bias: Option<Tensor>,
+    /// One logit per query head that joins its softmax with no value (gpt-oss): `[heads]`, f32.
+    pub(crate) sinks: Option<Sinks>,
     pub(crate) num_heads: usize,
     pub(crate) num_kv_heads: usize,
     pub(crate) head_dim: usize,
@@ -137,6 +141,7 @@ impl Attention {
             window: self.window,
             position,
             group: self.num_heads / self.num_kv_heads,
+            sinks: self.sinks.as_ref().map(|s| s.values.clone()),
         }
     }
 
@@ -152,18 +157,23 @@ impl Attention {
     }
 
     /// How this layer's scores are scaled, capped and windowed.
-    pub(crate) fn scoring(&self) -> Scoring {
+    pub(crate) fn scoring(&self) -> Scoring<'_> {
         Scoring {
             kv_heads: self.num_kv_heads,
             scale: self.scale,
             softcap: self.softcap,
             window: self.window,
+            sinks: self.sinks.as_ref().map(|s| &s.tensor),
         }
     }
 
     /// The output projection of every session's attention rows at once.
     pub(crate) fn output(&self, y: &Tensor) -> Result<Tensor> {
-        self.o.forward(y)
+        let y = self.o.forward(y)?;
+        Ok(match &self.o_bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
     }
 
     /// `[batch, heads, tokens, head_dim]` queries against the cache, grouped per KV head: on an f16 CPU cache
@@ -200,10 +210,49 @@ impl Attention {
     }
 }
 
+/// Attention sinks (gpt-oss): per query head, a logit that joins the softmax over its keys and takes weight from
+/// them without adding a value, as the tensor the candle path concatenates and the values the host kernel reads.
+#[derive(Debug, Clone)]
+pub(crate) struct Sinks {
+    /// `[heads]`, f32, on the block's device.
+    pub tensor: Tensor,
+    pub values: std::sync::Arc<[f32]>,
+}
+
+impl Sinks {
+    pub(crate) fn new(tensor: &Tensor) -> Result<Self> {
+        let tensor = tensor.to_dtype(DType::F32)?;
+        let values = tensor.to_vec1::<f32>()?.into();
+        Ok(Self { tensor, values })
+    }
+
+    /// `[1, kv_heads, group * rows, 1]` for scores `[b, kv_heads, group * rows, keys]` (query head `k * group + g`
+    /// at rows `g * rows..(g + 1) * rows` of KV head `k`).
+    pub(crate) fn column(tensor: &Tensor, kv_heads: usize, rows: usize) -> Result<Tensor> {
+        let group = tensor.dim(0)? / kv_heads;
+        Ok(tensor
+            .reshape((1, kv_heads, group, 1))?
+            .broadcast_as((1, kv_heads, group, rows))?
+            .reshape((1, kv_heads, group * rows, 1))?)
+    }
+
+    /// The softmax of `scores` (f32, keys last) with `column` (each score row's sink, broadcast to the scores'
+    /// shape but one wide) as one more key, which is dropped after: the keys' weights sum to less than one.
+    pub(crate) fn softmax(scores: &Tensor, column: &Tensor) -> Result<Tensor> {
+        let mut dims = scores.dims().to_vec();
+        let last = dims.len() - 1;
+        let keys = std::mem::replace(&mut dims[last], 1);
+        let column = column.broadcast_as(dims)?;
+        let all = Tensor::cat(&[scores, &column], last)?.contiguous()?;
+        let probs = candle_nn::ops::softmax_last_dim(&all)?;
+        Ok(probs.narrow(last, 0, keys)?)
+    }
+}
+
 /// What turns a query's products with the keys into attention weights: which KV head a query head reads, the scale,
-/// the cap and the window.
+/// the cap, the window and the sinks.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Scoring {
+pub(crate) struct Scoring<'a> {
     pub kv_heads: usize,
     /// Multiplies the scores.
     pub scale: f64,
@@ -211,9 +260,11 @@ pub(crate) struct Scoring {
     pub softcap: Option<f64>,
     /// Keys at most this many positions back (the query's own included) are seen; `None`: all.
     pub window: Option<usize>,
+    /// [`Sinks::tensor`], `[heads]`.
+    pub sinks: Option<&'a Tensor>,
 }
 
-impl Scoring {
+impl Scoring<'_> {
     /// The keys `first..last` (of `context` held) that any of `queries` queries from position `first_query` on may
     /// see: none after the last query, none before the first query's window.
     pub(crate) fn visible_keys(
@@ -238,7 +289,7 @@ pub(crate) fn attend_chunked(
     q: &Tensor,
     position: usize,
     (k, v): (Tensor, Tensor),
-    scoring: Scoring,
+    scoring: Scoring<'_>,
 ) -> Result<Tensor> {
     let (b, h, t, d) = q.dims4()?;
     let dv = v.dim(3)?;
@@ -294,7 +345,10 @@ pub(crate) fn attend_chunked(
         } else {
             scores
         };
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let probs = match scoring.sinks {
+            Some(sinks) => Sinks::softmax(&scores, &Sinks::column(sinks, scoring.kv_heads, n)?)?,
+            None => candle_nn::ops::softmax_last_dim(&scores)?,
+        };
         chunks.push(
             probs
                 .matmul(&vc)?

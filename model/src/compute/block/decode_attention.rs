@@ -140,7 +140,15 @@ pub(crate) fn attend(
     let seen = seen.reshape((1, n, 1, total))?.broadcast_as(shape)?;
     let hidden = Tensor::new(f32::NEG_INFINITY, &device)?.broadcast_as(shape)?;
     let scores = seen.where_cond(&scores.reshape(shape)?, &hidden)?;
-    let probs = candle_nn::ops::softmax_last_dim(&scores)?.reshape((kv_heads, n * group, total))?;
+    let probs = match &attn.sinks {
+        // Scores `[kv_heads, n, group, total]`: query head `k * group + g`'s sink for every session.
+        Some(sinks) => super::attention::Sinks::softmax(
+            &scores,
+            &sinks.tensor.reshape((kv_heads, 1, group, 1))?,
+        )?,
+        None => candle_nn::ops::softmax_last_dim(&scores)?,
+    }
+    .reshape((kv_heads, n * group, total))?;
     let y = probs
         .matmul(&values)?
         .reshape((kv_heads, n, group, d))?

@@ -169,6 +169,7 @@ impl LatentAttention {
                 scale: self.scale,
                 softcap: None,
                 window: None,
+                sinks: None,
             };
             attend_chunked(&q, s.position, (keys, values), scoring)?
         };

@@ -18,7 +18,7 @@ mod swiglu;
 mod test_blocks;
 
 pub use attention::Attention;
-use attention::SessionRows;
+use attention::{SessionRows, Sinks};
 
 use kv_arena::KvArena;
 pub use kv_cache::KvCache;
@@ -28,6 +28,7 @@ pub use moe::MixtureOfExperts;
 use moe::Routing;
 pub use rope::{Rope, RopeParams};
 
+use crate::compute::family::Moe;
 use crate::compute::linear::{Linear, Stacked};
 use crate::compute::placement::{normalise, Placement};
 use crate::compute::rms_norm::RmsNorm;
@@ -219,6 +220,14 @@ impl Block {
                     qkv_bias,
                     qk_norm,
                     o: matmul(BlockTensor::O, h, q_dim)?,
+                    o_bias: o
+                        .output_bias
+                        .then(|| get(BlockTensor::OBias, &[h])?.dense(p))
+                        .transpose()?,
+                    sinks: o
+                        .attention_sinks
+                        .then(|| Sinks::new(&get(BlockTensor::Sinks, &[spec.num_heads])?.dense(p)?))
+                        .transpose()?,
                     num_heads: spec.num_heads,
                     num_kv_heads: spec.num_kv_heads,
                     head_dim: spec.head_dim,
@@ -234,17 +243,34 @@ impl Block {
                 gate_up: Stacked::new(vec![matmul(gate, ff, h)?, matmul(up, ff, h)?])?,
                 down: matmul(down, h, ff)?,
                 activation: o.activation,
+                biases: None,
             })
+        };
+        // gpt-oss's experts, with a bias on each projection.
+        let expert = |e: usize, m: &Moe| -> Result<Mlp> {
+            use BlockTensor::{ExpertDown, ExpertDownBias, ExpertGate, ExpertGateBias};
+            use BlockTensor::{ExpertUp, ExpertUpBias};
+            let mut mlp = mlp([ExpertGate(e), ExpertUp(e), ExpertDown(e)], m.expert_size)?;
+            if m.biases {
+                let bias = |t: BlockTensor, n: usize| get(t, &[n])?.dense(p);
+                mlp.biases = Some([
+                    bias(ExpertGateBias(e), m.expert_size)?,
+                    bias(ExpertUpBias(e), m.expert_size)?,
+                    bias(ExpertDownBias(e), h)?,
+                ]);
+            }
+            Ok(mlp)
         };
         let sparse = o.moe.as_ref().filter(|m| m.is_sparse(index));
         let ffn = match (sparse, o.fused_projections) {
             (Some(m), _) => FeedForward::Experts(MixtureOfExperts {
                 router: matmul(BlockTensor::Router, m.num_experts, h)?,
+                router_bias: m
+                    .biases
+                    .then(|| get(BlockTensor::RouterBias, &[m.num_experts])?.dense(p))
+                    .transpose()?,
                 experts: (0..m.num_experts)
-                    .map(|e| {
-                        use BlockTensor::{ExpertDown, ExpertGate, ExpertUp};
-                        mlp([ExpertGate(e), ExpertUp(e), ExpertDown(e)], m.expert_size)
-                    })
+                    .map(|e| expert(e, m))
                     .collect::<Result<_>>()?,
                 routing: Routing {
                     experts_per_token: m.experts_per_token,
@@ -252,7 +278,7 @@ impl Block {
                     normalize_top_k: m.normalize_top_k,
                     groups: m.groups,
                     choice_bias: if m.choice_bias {
-                        let bias = get(BlockTensor::RouterBias, &[m.num_experts])?.dense(p)?;
+                        let bias = get(BlockTensor::ChoiceBias, &[m.num_experts])?.dense(p)?;
                         Some(bias.to_dtype(DType::F32)?.to_vec1::<f32>()?)
                     } else {
                         None
@@ -271,6 +297,7 @@ impl Block {
                 gate_up: Stacked::split(matmul(BlockTensor::GateUp, 2 * ff, h)?, vec![ff, ff]),
                 down: matmul(BlockTensor::Down, h, ff)?,
                 activation: o.activation,
+                biases: None,
             }),
             (None, false) => FeedForward::Mlp(mlp(
                 [BlockTensor::Gate, BlockTensor::Up, BlockTensor::Down],

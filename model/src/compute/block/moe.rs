@@ -1,4 +1,4 @@
-//! A sparse mixture of experts (Mixtral, Qwen3-MoE, DeepSeek): a router scores every expert per token, the best
+//! A sparse mixture of experts (Mixtral, Qwen3-MoE, DeepSeek, gpt-oss): a router scores every expert per token, the best
 //! `experts_per_token` run on it, and their outputs are summed weighted by the router's scores, plus the shared
 //! experts' where the family has them. A node serving a block holds all its experts, so routing never leaves the
 //! node.
@@ -12,6 +12,8 @@ use candle_core::{DType, Tensor};
 pub struct MixtureOfExperts {
     /// `[experts, hidden]`: one score per expert.
     pub(crate) router: Linear,
+    /// Added to the router's logits (gpt-oss).
+    pub(crate) router_bias: Option<Tensor>,
     pub(crate) experts: Vec<Mlp>,
     pub(crate) routing: Routing,
     /// The experts every token goes through (DeepSeek).
@@ -91,7 +93,12 @@ impl MixtureOfExperts {
             .ok_or_else(|| ModelError::Config("expert input has no dimensions".into()))?;
         let x = x.reshape(((), hidden))?;
         let rows = x.dim(0)?;
-        let logits = self.router.forward(&x)?.to_dtype(DType::F32)?;
+        let logits = self.router.forward(&x)?;
+        let logits = match &self.router_bias {
+            Some(b) => logits.broadcast_add(b)?,
+            None => logits,
+        }
+        .to_dtype(DType::F32)?;
         let scores = match self.routing.scoring {
             ExpertScoring::Softmax => candle_nn::ops::softmax_last_dim(&logits)?,
             ExpertScoring::Sigmoid => candle_nn::ops::sigmoid(&logits)?,

@@ -231,15 +231,20 @@ fn inverse_frequencies(spec: &ModelSpec, params: RopeParams) -> Vec<f32> {
         .collect()
 }
 
-/// YaRN's blend (as DeepSeek's HF code computes it): pairs rotating fewer than `beta_slow` times over the original
+/// YaRN's blend (as HF computes it): pairs rotating fewer than `beta_slow` times over the original
 /// context are interpolated by `factor`, those rotating more than `beta_fast` times kept, a linear ramp between.
 fn yarn_frequencies(d: usize, theta: f32, y: Yarn) -> Vec<f32> {
     let correction_dim = |rotations: f32| {
         d as f32 * (y.original_max_position as f32 / (rotations * 2.0 * std::f32::consts::PI)).ln()
             / (2.0 * theta.ln())
     };
-    let low = correction_dim(y.beta_fast).floor().max(0.0);
-    let mut high = correction_dim(y.beta_slow).ceil().min(d as f32 - 1.0);
+    let (low, high) = (correction_dim(y.beta_fast), correction_dim(y.beta_slow));
+    let (low, high) = if y.truncate {
+        (low.floor(), high.ceil())
+    } else {
+        (low, high)
+    };
+    let (low, mut high) = (low.max(0.0), high.min(d as f32 - 1.0));
     if low == high {
         high += 0.001;
     }

@@ -173,6 +173,7 @@ mod amx;
 mod candle_rows;
 mod fifth_bits;
 pub mod k_quant;
+pub mod mxfp4;
 pub mod q4_0;
 pub mod q4_1;
 pub mod q5_0;
@@ -184,6 +185,7 @@ mod weight_bytes;
 
 pub use candle_rows::CandleRows;
 pub use k_quant::{Q4KMatrix, Q5KMatrix, Q6KMatrix};
+pub use mxfp4::Mxfp4Matrix;
 pub use q4_0::Q4_0Matrix;
 pub use q4_1::Q4_1Matrix;
 pub use q5_0::Q5_0Matrix;
@@ -211,6 +213,7 @@ pub enum Linear {
     Q4K(Arc<Q4KMatrix>),
     Q5K(Arc<Q5KMatrix>),
     Q6K(Arc<Q6KMatrix>),
+    Mxfp4(Arc<Mxfp4Matrix>),
 }
 
 impl Linear {
@@ -283,6 +286,7 @@ impl Linear {
                 | Self::Q4K(_)
                 | Self::Q5K(_)
                 | Self::Q6K(_)
+                | Self::Mxfp4(_)
         )
     }
 
@@ -299,6 +303,7 @@ impl Linear {
             Self::Q4K(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
             Self::Q5K(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
             Self::Q6K(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
+            Self::Mxfp4(m) => f32_input(x)?.apply_op1_no_bwd(m.as_ref())?,
         })
     }
 }

@@ -87,9 +87,9 @@ impl GgufWeights {
         Ok(Weight::Quantized(Arc::new(q)))
     }
 
-    /// Expert `expert`'s matrix of block `block`: its slab of the stacked `ffn_*_exps` tensor (`[experts, rows,
-    /// cols]`, each expert's rows back to back), read alone and kept quantized, or the legacy per-expert tensor
-    /// (`ffn_gate.{e}.weight`) that older Mixtral conversions wrote.
+    /// Expert `expert`'s matrix (or bias) of block `block`: its slab of the stacked `ffn_*_exps` tensor
+    /// (`[experts, rows, cols]`, each expert's rows back to back), read alone and kept quantized, or the legacy
+    /// per-expert tensor (`ffn_gate.{e}.weight`) that older Mixtral conversions wrote.
     fn load_expert(
         &self,
         stacked: &str,
@@ -105,11 +105,15 @@ impl GgufWeights {
             path: self.path.clone(),
             reason: format!("tensor {stacked}: {reason}"),
         };
-        let &[experts, rows, cols] = info.shape.dims() else {
-            return Err(corrupt(format!(
-                "stacked experts must be 3-D, not {:?}",
-                info.shape.dims()
-            )));
+        // Matrices `[experts, rows, cols]`, biases `[experts, rows]`.
+        let (experts, each) = match info.shape.dims() {
+            &[experts, rows, cols] => (experts, vec![rows, cols]),
+            &[experts, rows] if stacked.ends_with(".bias") => (experts, vec![rows]),
+            other => {
+                return Err(corrupt(format!(
+                    "stacked experts must be 3-D (or 2-D biases), not {other:?}"
+                )))
+            }
         };
         if expert >= experts {
             return Err(ModelError::MissingTensor {
@@ -128,7 +132,7 @@ impl GgufWeights {
         let q = candle_core::quantized::ggml_file::qtensor_from_ggml(
             info.ggml_dtype,
             &bytes,
-            vec![rows, cols],
+            each,
             device,
         )
         .map_err(|e| corrupt(e.to_string()))?;
@@ -166,7 +170,14 @@ fn gguf_block_name(block: usize, t: BlockTensor) -> String {
         BlockTensor::SharedGate => "ffn_gate_shexp.weight".into(),
         BlockTensor::SharedUp => "ffn_up_shexp.weight".into(),
         BlockTensor::SharedDown => "ffn_down_shexp.weight".into(),
-        BlockTensor::RouterBias => "exp_probs_b.bias".into(),
+        BlockTensor::ChoiceBias => "exp_probs_b.bias".into(),
+        BlockTensor::RouterBias => "ffn_gate_inp.bias".into(),
+        // Read by `load_expert` from the stacked `ffn_*_exps.bias`: only a legacy name.
+        BlockTensor::ExpertGateBias(e) => format!("ffn_gate.{e}.bias"),
+        BlockTensor::ExpertUpBias(e) => format!("ffn_up.{e}.bias"),
+        BlockTensor::ExpertDownBias(e) => format!("ffn_down.{e}.bias"),
+        BlockTensor::OBias => "attn_output.bias".into(),
+        BlockTensor::Sinks => "attn_sinks.weight".into(),
         BlockTensor::QDown => "attn_q_a.weight".into(),
         BlockTensor::QDownNorm => "attn_q_a_norm.weight".into(),
         BlockTensor::QUp => "attn_q_b.weight".into(),
@@ -181,14 +192,27 @@ fn gguf_block_name(block: usize, t: BlockTensor) -> String {
 
 impl WeightSource for GgufWeights {
     fn load_block(&self, block: usize, t: BlockTensor, device: &Device) -> Result<Weight> {
+        // gpt-oss names the feed-forward's input norm after the attention it follows.
+        let gpt_oss = || {
+            self.metadata()
+                .get("general.architecture")
+                .and_then(|v| v.to_string().ok())
+                .is_some_and(|a| a == "gpt-oss")
+        };
+        if t == BlockTensor::FfnNorm && gpt_oss() {
+            return self.load(&format!("blk.{block}.post_attention_norm.weight"), device);
+        }
         let name = gguf_block_name(block, t);
-        let (matrix, expert) = match t {
-            BlockTensor::ExpertGate(e) => ("gate", e),
-            BlockTensor::ExpertUp(e) => ("up", e),
-            BlockTensor::ExpertDown(e) => ("down", e),
+        let (matrix, expert, leaf) = match t {
+            BlockTensor::ExpertGate(e) => ("gate", e, "weight"),
+            BlockTensor::ExpertUp(e) => ("up", e, "weight"),
+            BlockTensor::ExpertDown(e) => ("down", e, "weight"),
+            BlockTensor::ExpertGateBias(e) => ("gate", e, "bias"),
+            BlockTensor::ExpertUpBias(e) => ("up", e, "bias"),
+            BlockTensor::ExpertDownBias(e) => ("down", e, "bias"),
             _ => return self.load(&name, device),
         };
-        let stacked = format!("blk.{block}.ffn_{matrix}_exps.weight");
+        let stacked = format!("blk.{block}.ffn_{matrix}_exps.{leaf}");
         self.load_expert(&stacked, expert, &name, device)
     }
 

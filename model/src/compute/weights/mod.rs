@@ -4,6 +4,7 @@
 //! named tensor at a time (memory-mapped safetensors, seek-and-read GGUF and llama2.c) and records what it loaded in
 //! a [`LoadLog`], which tests inspect.
 mod gguf;
+mod gguf_header;
 mod llama2c;
 mod safetensors;
 mod shards;
@@ -59,7 +60,16 @@ pub enum BlockTensor {
     SharedUp,
     SharedDown,
     /// Per-expert bias of the scores used to choose experts (DeepSeek-V3), `[experts]`.
+    ChoiceBias,
+    /// gpt-oss: the router's bias `[experts]`, and expert `e`'s biases of its gate, up (`[expert_size]`) and down
+    /// (`[hidden]`) projections.
     RouterBias,
+    ExpertGateBias(usize),
+    ExpertUpBias(usize),
+    ExpertDownBias(usize),
+    /// gpt-oss: the output projection's bias `[hidden]` and one sink logit per query head `[heads]`.
+    OBias,
+    Sinks,
     /// Latent attention (DeepSeek): the low-rank query projection (down, its norm, up), the projection to the
     /// latent and the rotated key `[kv_rank + rope_dim, hidden]`, the latent's norm, and the latent's expansion to
     /// every head's key (non-rotated part) and value `[heads * (nope_dim + value_dim), kv_rank]`. Without a
@@ -85,6 +95,9 @@ pub enum HfLayout {
     Gemma,
     /// Experts under `block_sparse_moe` (`w1` gate, `w3` up, `w2` down).
     Mixtral,
+    /// Every expert of a block in one tensor per matrix, gate and up interleaved and stored input-major
+    /// (`mlp.experts.gate_up_proj` `[experts, hidden, 2 x size]`), under `mlp.router`.
+    GptOss,
 }
 
 impl HfLayout {
@@ -92,6 +105,7 @@ impl HfLayout {
         match architecture {
             "gemma2" | "gemma3" => Self::Gemma,
             "mixtral" => Self::Mixtral,
+            "gpt_oss" => Self::GptOss,
             _ => Self::Llama,
         }
     }

@@ -61,6 +61,80 @@ impl SafetensorsWeights {
     }
 }
 
+impl SafetensorsWeights {
+    /// gpt-oss's expert tensors: expert `e`'s part of a block's stacked `mlp.experts.*` tensor, read alone (its
+    /// bytes are contiguous: the experts are the outer dimension) and laid out as the other families' are: gate and
+    /// up de-interleaved from `gate_up_proj` (`[hidden, 2 x size]`, gate at even columns), matrices transposed to
+    /// `[out, in]`. `None` for any other tensor.
+    fn load_stacked_expert(
+        &self,
+        block: usize,
+        t: BlockTensor,
+        device: &Device,
+    ) -> Result<Option<Weight>> {
+        use BlockTensor as T;
+        let (leaf, expert, half) = match t {
+            T::ExpertGate(e) => ("gate_up_proj", e, Some(0)),
+            T::ExpertUp(e) => ("gate_up_proj", e, Some(1)),
+            T::ExpertDown(e) => ("down_proj", e, None),
+            T::ExpertGateBias(e) => ("gate_up_proj_bias", e, Some(0)),
+            T::ExpertUpBias(e) => ("gate_up_proj_bias", e, Some(1)),
+            T::ExpertDownBias(e) => ("down_proj_bias", e, None),
+            _ => return Ok(None),
+        };
+        let name = format!("model.layers.{block}.mlp.experts.{leaf}");
+        let view = self.st.get(&name)?;
+        let dims = view.shape().to_vec();
+        let bad = |reason: String| ModelError::TensorShape {
+            name: format!("{name} ({reason})"),
+            expected: vec![],
+            actual: dims.clone(),
+        };
+        let (&experts, each) = dims
+            .split_first()
+            .filter(|(_, each)| matches!(each.len(), 1 | 2))
+            .ok_or_else(|| bad("expected [experts, ..] of 2 or 3 dimensions".into()))?;
+        if expert >= experts {
+            return Err(ModelError::MissingTensor {
+                name: format!("{name} expert {expert} (the tensor holds {experts})"),
+            });
+        }
+        let dtype = match view.dtype() {
+            safetensors::Dtype::F32 => candle_core::DType::F32,
+            safetensors::Dtype::F16 => candle_core::DType::F16,
+            safetensors::Dtype::BF16 => candle_core::DType::BF16,
+            other => return Err(bad(format!("dtype {other:?} is not a float"))),
+        };
+        let data = view.data();
+        let slab = data.len() / experts;
+        let bytes = &data[expert * slab..(expert + 1) * slab];
+        let x = candle_core::Tensor::from_raw_buffer(bytes, dtype, each, device)?;
+        // The matrices are stored `[in, out]`: the last dimension is the output.
+        let x = match half {
+            Some(h) => {
+                let out = *each.last().unwrap_or(&0);
+                if out % 2 != 0 {
+                    return Err(bad("gate and up interleaved need an even width".into()));
+                }
+                let mut split = each.to_vec();
+                split.pop();
+                split.extend([out / 2, 2]);
+                x.reshape(split)?
+                    .narrow(each.len(), h, 1)?
+                    .squeeze(each.len())?
+            }
+            None => x,
+        };
+        let x = if x.rank() == 2 {
+            x.t()?.contiguous()?
+        } else {
+            x
+        };
+        self.log.record(&name, bytes.len());
+        Ok(Some(Weight::Dense(x)))
+    }
+}
+
 pub(crate) fn hf_block_name(layout: HfLayout, block: usize, t: BlockTensor) -> String {
     let gemma = layout == HfLayout::Gemma;
     let leaf = match t {
@@ -85,6 +159,7 @@ pub(crate) fn hf_block_name(layout: HfLayout, block: usize, t: BlockTensor) -> S
         BlockTensor::Qkv => "self_attn.qkv_proj.weight".into(),
         BlockTensor::GateUp => "mlp.gate_up_proj.weight".into(),
         BlockTensor::Router if layout == HfLayout::Mixtral => "block_sparse_moe.gate.weight".into(),
+        BlockTensor::Router if layout == HfLayout::GptOss => "mlp.router.weight".into(),
         BlockTensor::Router => "mlp.gate.weight".into(),
         BlockTensor::ExpertGate(e) | BlockTensor::ExpertUp(e) | BlockTensor::ExpertDown(e)
             if layout == HfLayout::Mixtral =>
@@ -102,7 +177,14 @@ pub(crate) fn hf_block_name(layout: HfLayout, block: usize, t: BlockTensor) -> S
         BlockTensor::SharedGate => "mlp.shared_experts.gate_proj.weight".into(),
         BlockTensor::SharedUp => "mlp.shared_experts.up_proj.weight".into(),
         BlockTensor::SharedDown => "mlp.shared_experts.down_proj.weight".into(),
-        BlockTensor::RouterBias => "mlp.gate.e_score_correction_bias".into(),
+        BlockTensor::ChoiceBias => "mlp.gate.e_score_correction_bias".into(),
+        BlockTensor::RouterBias => "mlp.router.bias".into(),
+        // gpt-oss's experts are slices of stacked tensors (`load_stacked_expert`); these are only names for errors.
+        BlockTensor::ExpertGateBias(e) => format!("mlp.experts.{e}.gate_proj.bias"),
+        BlockTensor::ExpertUpBias(e) => format!("mlp.experts.{e}.up_proj.bias"),
+        BlockTensor::ExpertDownBias(e) => format!("mlp.experts.{e}.down_proj.bias"),
+        BlockTensor::OBias => "self_attn.o_proj.bias".into(),
+        BlockTensor::Sinks => "self_attn.sinks".into(),
         BlockTensor::QDown => "self_attn.q_a_proj.weight".into(),
         BlockTensor::QDownNorm => "self_attn.q_a_layernorm.weight".into(),
         BlockTensor::QUp => "self_attn.q_b_proj.weight".into(),
@@ -117,6 +199,11 @@ pub(crate) fn hf_block_name(layout: HfLayout, block: usize, t: BlockTensor) -> S
 
 impl WeightSource for SafetensorsWeights {
     fn load_block(&self, block: usize, t: BlockTensor, device: &Device) -> Result<Weight> {
+        if self.layout == HfLayout::GptOss {
+            if let Some(w) = self.load_stacked_expert(block, t, device)? {
+                return Ok(w);
+            }
+        }
         self.load(&hf_block_name(self.layout, block, t), device)
     }
 

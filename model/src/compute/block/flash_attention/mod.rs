@@ -37,13 +37,15 @@ const TILES_FOR_WHOLE_TILE_TASKS: usize = 16;
 /// `softmax(scale * q k^T [softcapped, masked]) v` for queries `[batch, kv_heads, group, tokens, head_dim]`
 /// (contiguous) at positions `position..position + tokens`, keys and values `[batch, kv_heads, len, head_dim]`
 /// with contiguous rows (a view into the cache's buffers). Output: the queries' shape.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct FlashAttention {
     pub scale: f32,
     pub softcap: Option<f32>,
     pub window: Option<usize>,
     pub position: usize,
     pub group: usize,
+    /// Each query head's sink logit (gpt-oss), which joins its softmax with no value.
+    pub sinks: Option<std::sync::Arc<[f32]>>,
 }
 
 /// A partial result for every query row of a tile: running maximum, sum of exponentials, and the values weighted
@@ -319,7 +321,7 @@ impl FlashAttention {
                     merged
                 }),
             };
-            write_rows(merged, bh, tile, dims, out);
+            write_rows(merged, (bh, tile), dims, self.sinks.as_deref(), out);
         }
     }
 
@@ -350,7 +352,7 @@ impl FlashAttention {
                 let (b, h) = (bh / kv_heads, bh % kv_heads);
                 let qh = &q[bh * group * d..(bh + 1) * group * d];
                 self.chunk(qh, (k, v), (b, h, 1, d), &tile, seen.clone(), partial, work);
-                write_rows(partial, bh, &tile, dims, out);
+                write_rows(partial, (bh, &tile), dims, self.sinks.as_deref(), out);
             }
             true
         })
@@ -373,20 +375,28 @@ fn spreads([batch, kv_heads, ..]: [usize; 5], len: usize) -> bool {
 }
 
 /// The rows of tile `tile` of KV head `bh` (batch x KV heads, flattened) normalised by their sums into `out`
-/// (`[batch, kv_heads, group, tokens, head_dim]`, as `dims`).
+/// (`[batch, kv_heads, group, tokens, head_dim]`, as `dims`). A query head's sink adds `exp(sink - max)` to its
+/// rows' sums: one more key of that score, whose value is zero.
 fn write_rows(
     merged: &Partial,
-    bh: usize,
-    tile: &Range<usize>,
-    [_, _, group, tokens, d]: [usize; 5],
+    (bh, tile): (usize, &Range<usize>),
+    [_, kv_heads, group, tokens, d]: [usize; 5],
+    sinks: Option<&[f32]>,
     out: &mut [f32],
 ) {
     for r in 0..group * tile.len() {
         let row = bh * group * tokens + tile_row(r, tile, tokens);
         let o = &mut out[row * d..(row + 1) * d];
+        let sum = match sinks {
+            Some(sinks) => {
+                let head = (bh % kv_heads) * group + r / tile.len();
+                merged.sum[r] + (sinks[head] - merged.max[r]).exp()
+            }
+            None => merged.sum[r],
+        };
         // No visible key at all cannot happen for a causal step (its own key is always seen): zeros.
-        let inv = if merged.sum[r] > 0.0 {
-            1.0 / merged.sum[r]
+        let inv = if merged.sum[r] > 0.0 && sum.is_finite() {
+            1.0 / sum
         } else {
             0.0
         };
@@ -438,6 +448,7 @@ mod tests {
             window: Some(30),
             position: n - rows,
             group: 1,
+            sinks: None,
         };
         // Keys 0..7 of a chunk: the last query rows see none of them through the window.
         let (k, v) = (
@@ -521,7 +532,23 @@ mod tests {
             .collect();
         let mask = Tensor::from_vec(mask, (g * t, len), &Device::Cpu).unwrap();
         let scores = scores.broadcast_add(&mask).unwrap();
-        let probs = candle_nn::ops::softmax_last_dim(&scores).unwrap();
+        let probs = match &op.sinks {
+            // Each query head's sink as one more key of value zero.
+            Some(sinks) => {
+                let column: Vec<f32> = (0..h * g * t).map(|r| sinks[r / t]).collect();
+                let column = Tensor::from_vec(column, (1, h, g * t, 1), &Device::Cpu).unwrap();
+                let column = column.broadcast_as((b, h, g * t, 1)).unwrap();
+                let all = Tensor::cat(&[&scores, &column], 3)
+                    .unwrap()
+                    .contiguous()
+                    .unwrap();
+                candle_nn::ops::softmax_last_dim(&all)
+                    .unwrap()
+                    .narrow(3, 0, len)
+                    .unwrap()
+            }
+            None => candle_nn::ops::softmax_last_dim(&scores).unwrap(),
+        };
         probs.matmul(&v).unwrap().reshape((b, h, g, t, d)).unwrap()
     }
 
@@ -578,6 +605,14 @@ mod tests {
                 window,
                 position: len - tokens,
                 group: 3,
+                sinks: None,
+            };
+            check(op.clone(), (2, 3, tokens, len));
+            // With a sink per query head (gpt-oss), some far above the scores, some below.
+            let sinks: Vec<f32> = (0..9).map(|i| i as f32 - 3.0).collect();
+            let op = FlashAttention {
+                sinks: Some(sinks.into()),
+                ..op
             };
             check(op, (2, 3, tokens, len));
         }
@@ -603,6 +638,7 @@ mod tests {
                 window,
                 position: len - 1,
                 group,
+                sinks: None,
             };
             let kv_heads = 3;
             let q = random(&[batch, kv_heads, group, 1, d], len as u64)
@@ -652,6 +688,7 @@ mod tests {
             window: None,
             position: 299,
             group: 3,
+            sinks: None,
         };
         let (q, keys) = (vec![0f32; 3 * 64], vec![0f32; 300 * 64]);
         let cache = Cache::f32(&keys, 300 * 64, 300 * 64);
@@ -670,6 +707,7 @@ mod tests {
                 window: None,
                 position: 20,
                 group,
+                sinks: None,
             };
             check(op, (1, 2, 150, 170));
         }
@@ -683,6 +721,7 @@ mod tests {
             window: None,
             position: 3,
             group: 2,
+            sinks: None,
         };
         let q = random(&[1, 2, 2, 1, 8], 1);
         let k = random(&[1, 2, 4, 8], 2);
@@ -691,7 +730,10 @@ mod tests {
         assert!(q.apply_op3_no_bwd(&short, &short, &op).is_err());
         let bf16 = k.to_dtype(DType::BF16).unwrap();
         assert!(q.apply_op3_no_bwd(&bf16, &bf16, &op).is_err());
-        let other = FlashAttention { group: 3, ..op };
+        let other = FlashAttention {
+            group: 3,
+            ..op.clone()
+        };
         assert!(q.apply_op3_no_bwd(&k, &k, &other).is_err());
         let transposed = random(&[1, 2, 8, 4], 3).transpose(2, 3).unwrap();
         assert!(q.apply_op3_no_bwd(&transposed, &transposed, &op).is_err());
