@@ -1,6 +1,8 @@
 //! GGUF files: the header is parsed once; each tensor is read with one seek and one read of exactly its bytes, and
 //! stays quantized.
+use super::gguf_header::{self, RawTensorInfo};
 use super::{BlockTensor, HeadTensor, LoadLog, StoredTensor, Weight, WeightSource};
+use crate::compute::linear::Mxfp4Matrix;
 use crate::error::{ModelError, Result};
 use candle_core::quantized::gguf_file::{Content, TensorInfo, Value};
 use candle_core::Device;
@@ -15,28 +17,45 @@ use std::sync::{Arc, Mutex};
 /// string, length and array element on its own, so unbuffered a vocabulary of 49 152 tokens with as many merges
 /// (SmolLM2's) took some 250 000 `read` calls, a quarter of a second of system time, every time the file was
 /// opened. The file's position afterwards is wherever the buffer left it: tensors are read at their offsets.
+/// Tensors of types candle does not know (MXFP4) are left out here: [`GgufWeights`] reads them apart.
 pub(crate) fn read_header(file: &mut File) -> candle_core::Result<Content> {
-    Content::read(&mut std::io::BufReader::new(file))
+    Ok(gguf_header::read_header(&mut std::io::BufReader::new(file))?.0)
 }
 
 pub struct GgufWeights {
     path: PathBuf,
     content: Content,
+    /// The tensors of types candle does not know (MXFP4), which `content` leaves out.
+    raw: BTreeMap<String, RawTensorInfo>,
     file: Mutex<File>,
     log: LoadLog,
+}
+
+/// One tensor of either index, as hashing and memory planning see it.
+struct Entry<'a> {
+    name: &'a str,
+    /// The type's name and the dimensions, as hashed.
+    kind: String,
+    dims: Vec<usize>,
+    offset: u64,
+    start: u64,
+    len: u64,
+    quantized: bool,
 }
 
 impl GgufWeights {
     pub fn open(path: &Path) -> Result<Self> {
         let mut file = File::open(path).map_err(|e| ModelError::io(path, e))?;
-        let content = read_header(&mut file).map_err(|e| ModelError::Corrupt {
-            format: "GGUF",
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
+        let (content, raw) = gguf_header::read_header(&mut std::io::BufReader::new(&mut file))
+            .map_err(|e| ModelError::Corrupt {
+                format: "GGUF",
+                path: path.to_path_buf(),
+                reason: e.to_string(),
+            })?;
         Ok(Self {
             path: path.to_path_buf(),
             content,
+            raw,
             file: Mutex::new(file),
             log: LoadLog::default(),
         })
@@ -47,14 +66,72 @@ impl GgufWeights {
     }
 
     pub fn has_tensor(&self, name: &str) -> bool {
-        self.content.tensor_infos.contains_key(name)
+        self.content.tensor_infos.contains_key(name) || self.raw.contains_key(name)
     }
 
     pub fn tensor_dims(&self, name: &str) -> Option<Vec<usize>> {
-        self.content
+        match self.content.tensor_infos.get(name) {
+            Some(i) => Some(i.shape.dims().to_vec()),
+            None => self.raw.get(name).map(|r| r.dims.clone()),
+        }
+    }
+
+    /// Every tensor, candle's and the others, by name.
+    fn entries(&self) -> Vec<Entry<'_>> {
+        use candle_core::quantized::GgmlDType;
+        let mut all: Vec<Entry<'_>> = self
+            .content
             .tensor_infos
-            .get(name)
-            .map(|i| i.shape.dims().to_vec())
+            .iter()
+            .map(|(name, info)| {
+                let (start, len) = self.data_range(info);
+                Entry {
+                    name,
+                    kind: format!("{:?}{:?}", info.ggml_dtype, info.shape.dims()),
+                    dims: info.shape.dims().to_vec(),
+                    offset: info.offset,
+                    start,
+                    len,
+                    quantized: !matches!(
+                        info.ggml_dtype,
+                        GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16
+                    ),
+                }
+            })
+            .collect();
+        all.extend(self.raw.iter().map(|(name, r)| Entry {
+            name,
+            kind: format!("Mxfp4{:?}", r.dims),
+            dims: r.dims.clone(),
+            offset: r.offset,
+            start: self.content.tensor_data_offset + r.offset,
+            len: r.byte_len().unwrap_or(0),
+            quantized: true,
+        }));
+        all.sort_by(|a, b| a.name.cmp(b.name));
+        all
+    }
+
+    /// `len` bytes at `start` of the file.
+    fn read_at(&self, start: u64, len: u64) -> Result<Vec<u8>> {
+        let mut bytes = vec![0u8; len as usize];
+        let mut file = self.file()?;
+        file.seek(SeekFrom::Start(start))
+            .and_then(|_| file.read_exact(&mut bytes))
+            .map_err(|e| ModelError::io(&self.path, e))?;
+        Ok(bytes)
+    }
+
+    /// An MXFP4 matrix of `rows x cols` from `bytes` of tensor `name`.
+    fn mxfp4(&self, name: &str, bytes: &[u8], rows: usize, cols: usize) -> Result<Weight> {
+        let m =
+            Mxfp4Matrix::from_ggml_bytes(bytes, rows, cols).map_err(|e| ModelError::Corrupt {
+                format: "GGUF",
+                path: self.path.clone(),
+                reason: format!("tensor {name}: {e}"),
+            })?;
+        self.log.record(name, bytes.len());
+        Ok(Weight::Mxfp4(Arc::new(m)))
     }
 
     fn file(&self) -> Result<std::sync::MutexGuard<'_, File>> {
@@ -71,6 +148,18 @@ impl GgufWeights {
     }
 
     fn load(&self, name: &str, device: &Device) -> Result<Weight> {
+        if let Some(r) = self.raw.get(name) {
+            let &[rows, cols] = r.dims.as_slice() else {
+                return Err(ModelError::Corrupt {
+                    format: "GGUF",
+                    path: self.path.clone(),
+                    reason: format!("MXFP4 tensor {name} is {:?}, not a matrix", r.dims),
+                });
+            };
+            let start = self.content.tensor_data_offset + r.offset;
+            let bytes = self.read_at(start, r.byte_len().unwrap_or(0))?;
+            return self.mxfp4(name, &bytes, rows, cols);
+        }
         if !self.has_tensor(name) {
             return Err(ModelError::MissingTensor { name: name.into() });
         }
@@ -97,6 +186,24 @@ impl GgufWeights {
         legacy: &str,
         device: &Device,
     ) -> Result<Weight> {
+        if let Some(r) = self.raw.get(stacked) {
+            let &[experts, rows, cols] = r.dims.as_slice() else {
+                return Err(ModelError::Corrupt {
+                    format: "GGUF",
+                    path: self.path.clone(),
+                    reason: format!("stacked MXFP4 experts {stacked} are {:?}", r.dims),
+                });
+            };
+            if expert >= experts {
+                return Err(ModelError::MissingTensor {
+                    name: format!("{stacked} expert {expert} (the tensor holds {experts})"),
+                });
+            }
+            let slab = r.byte_len().unwrap_or(0) / experts as u64;
+            let start = self.content.tensor_data_offset + r.offset + expert as u64 * slab;
+            let bytes = self.read_at(start, slab)?;
+            return self.mxfp4(stacked, &bytes, rows, cols);
+        }
         let Some(info) = self.content.tensor_infos.get(stacked) else {
             return self.load(legacy, device);
         };
@@ -244,6 +351,10 @@ impl WeightSource for GgufWeights {
                     .or_default() += 1;
             }
         }
+        let mxfp4 = self.raw.keys().filter(|n| n.starts_with("blk.")).count();
+        if mxfp4 > 0 {
+            *counts.entry("mxfp4".into()).or_default() += mxfp4;
+        }
         counts
             .into_iter()
             .max_by_key(|(_, n)| *n)
@@ -252,62 +363,44 @@ impl WeightSource for GgufWeights {
     }
 
     fn hash_block(&self, block: usize, hasher: &mut Sha256) -> Result<()> {
-        let mut infos: Vec<_> = self
-            .content
-            .tensor_infos
-            .iter()
-            .filter(|(name, _)| self.block_of(name) == Some(block))
-            .collect();
-        infos.sort_by(|a, b| a.0.cmp(b.0));
+        let entries = self.entries();
         let mut file = self.file()?;
-        for (name, info) in infos {
-            hasher.update(name.as_bytes());
-            hasher.update(format!("{:?}{:?}", info.ggml_dtype, info.shape.dims()).as_bytes());
-            let (start, len) = self.data_range(info);
-            super::hash_file_range(&mut file, &self.path, start, len, hasher)?;
+        for e in entries
+            .iter()
+            .filter(|e| self.block_of(e.name) == Some(block))
+        {
+            hasher.update(e.name.as_bytes());
+            hasher.update(e.kind.as_bytes());
+            super::hash_file_range(&mut file, &self.path, e.start, e.len, hasher)?;
         }
         Ok(())
     }
 
     fn block_stored(&self, block: usize) -> Option<Vec<StoredTensor>> {
-        use candle_core::quantized::GgmlDType;
         let tensors = self
-            .content
-            .tensor_infos
-            .iter()
-            .filter(|(name, _)| self.block_of(name) == Some(block))
-            .map(|(_, info)| StoredTensor {
-                elements: info.shape.elem_count() as u64,
-                bytes: self.data_range(info).1,
-                quantized: !matches!(
-                    info.ggml_dtype,
-                    GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16
-                ),
+            .entries()
+            .into_iter()
+            .filter(|e| self.block_of(e.name) == Some(block))
+            .map(|e| StoredTensor {
+                elements: e.dims.iter().product::<usize>() as u64,
+                bytes: e.len,
+                quantized: e.quantized,
             })
             .collect();
         Some(tensors)
     }
 
     fn fingerprint(&self, hasher: &mut Sha256) -> Result<()> {
-        let mut infos: Vec<_> = self.content.tensor_infos.iter().collect();
-        infos.sort_by(|a, b| a.0.cmp(b.0));
+        let entries = self.entries();
         let mut file = self.file()?;
         let file_len = file
             .seek(SeekFrom::End(0))
             .map_err(|e| ModelError::io(&self.path, e))?;
-        for (name, info) in infos {
-            hasher.update(name.as_bytes());
-            hasher.update(
-                format!(
-                    "{:?}{:?}{}",
-                    info.ggml_dtype,
-                    info.shape.dims(),
-                    info.offset
-                )
-                .as_bytes(),
-            );
-            let (start, len) = self.data_range(info);
-            for (off, n) in super::sample_ranges(start, len.min(file_len.saturating_sub(start))) {
+        for e in entries {
+            hasher.update(e.name.as_bytes());
+            hasher.update(format!("{}{}", e.kind, e.offset).as_bytes());
+            let available = e.len.min(file_len.saturating_sub(e.start));
+            for (off, n) in super::sample_ranges(e.start, available) {
                 let mut buf = vec![0u8; n as usize];
                 file.seek(SeekFrom::Start(off))
                     .map_err(|e| ModelError::io(&self.path, e))?;
@@ -359,7 +452,7 @@ mod tests {
         let dev = Device::Cpu;
         let second = match w.load_block(0, BlockTensor::ExpertGate(1), &dev).unwrap() {
             Weight::Quantized(q) => q.dequantize(&dev).unwrap(),
-            Weight::Dense(_) => panic!("an expert stays quantized"),
+            Weight::Dense(_) | Weight::Mxfp4(_) => panic!("an expert stays quantized"),
         };
         assert_eq!(second.dims(), &[4, 32]);
         // Expert 1 holds the values 128..256; Q8_0 keeps them within a step of their block's scale.
@@ -383,5 +476,62 @@ mod tests {
             w.load_block(0, BlockTensor::ExpertDown(0), &dev),
             Err(ModelError::MissingTensor { .. })
         ));
+    }
+
+    /// gpt-oss's MXFP4 experts (a type candle's parser refuses the whole file for): each expert's slab is read
+    /// alone into our MXFP4 matrix, and the block's hash covers its bytes.
+    #[test]
+    fn mxfp4_experts_are_read_per_expert_and_hashed() {
+        use crate::compute::linear::mxfp4::quantize_ggml;
+        // A stacked Q4_0 tensor of two experts of [2, 64] (144 bytes), retyped as MXFP4 (136) in place.
+        let x = Tensor::zeros((2, 2, 64), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&x, GgmlDType::Q4_0).unwrap();
+        let name = "blk.0.ffn_gate_exps.weight";
+        let mut file = std::io::Cursor::new(vec![]);
+        gguf_file::write(&mut file, &[], &[(name, &q)]).unwrap();
+        let mut bytes = file.into_inner();
+        let mut key = (name.len() as u64).to_le_bytes().to_vec();
+        key.extend(name.as_bytes());
+        let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len() + 4 + 8 * 3;
+        bytes[at..at + 4].copy_from_slice(&39u32.to_le_bytes());
+        let values: Vec<f32> = (0..256)
+            .map(|i| [0.0, 1.0, -2.0, 3.0, -6.0][i % 5])
+            .collect();
+        let (content, raw) = gguf_header::read_header(&mut std::io::Cursor::new(&bytes)).unwrap();
+        let start = (content.tensor_data_offset + raw[name].offset) as usize;
+        bytes[start..start + 136].copy_from_slice(&quantize_ggml(&values, 64));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("mxfp4.gguf");
+        std::fs::write(&path, &bytes).unwrap();
+        let w = GgufWeights::open(&path).unwrap();
+        assert_eq!(w.quantization(), "mxfp4");
+        let second = match w
+            .load_block(0, BlockTensor::ExpertGate(1), &Device::Cpu)
+            .unwrap()
+        {
+            Weight::Mxfp4(m) => m,
+            _ => panic!("an MXFP4 expert stays MXFP4"),
+        };
+        assert_eq!((second.rows(), second.cols()), (2, 64));
+        assert_eq!(second.dequantize(), values[128..]);
+        assert!(matches!(
+            w.load_block(0, BlockTensor::ExpertGate(2), &Device::Cpu),
+            Err(ModelError::MissingTensor { .. })
+        ));
+        let hash = |path: &Path| {
+            let mut h = Sha256::new();
+            GgufWeights::open(path)
+                .unwrap()
+                .hash_block(0, &mut h)
+                .unwrap();
+            h.finalize()
+        };
+        let before = hash(&path);
+        bytes[start + 140 - 4] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        assert_eq!(hash(&path), before, "bytes past the tensor are not hashed");
+        bytes[start + 100] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        assert_ne!(hash(&path), before, "the expert's bytes are");
     }
 }

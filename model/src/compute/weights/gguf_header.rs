@@ -13,7 +13,6 @@
 //! `BufReader<File>` answers that with an `lseek`, some 100 000 for a vocabulary of 49 152 tokens and as many
 //! merges. Here the position is counted as bytes are read, and the file's length taken once.
 // Nothing outside the tests calls it until weights/gguf.rs reads its headers through here.
-#![cfg_attr(not(test), allow(dead_code))]
 
 use candle_core::quantized::gguf_file::{Content, TensorInfo, Value, VersionedMagic};
 use candle_core::quantized::GgmlDType;

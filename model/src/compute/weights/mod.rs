@@ -15,7 +15,7 @@ pub use llama2c::Llama2cWeights;
 pub use safetensors::SafetensorsWeights;
 pub use shards::{index_shards, ShardFetch};
 
-use crate::compute::linear::Linear;
+use crate::compute::linear::{Linear, Mxfp4Matrix};
 use crate::compute::placement::Placement;
 use crate::error::Result;
 use candle_core::quantized::QTensor;
@@ -125,6 +125,8 @@ pub enum HeadTensor {
 pub enum Weight {
     Dense(Tensor),
     Quantized(Arc<QTensor>),
+    /// MXFP4 (gpt-oss's experts), a format candle does not know, repacked for our kernels as it is read.
+    Mxfp4(Arc<Mxfp4Matrix>),
 }
 
 impl Weight {
@@ -132,6 +134,7 @@ impl Weight {
         match self {
             Self::Dense(t) => t.dims().to_vec(),
             Self::Quantized(q) => q.shape().dims().to_vec(),
+            Self::Mxfp4(m) => vec![m.rows(), m.cols()],
         }
     }
 
@@ -141,6 +144,10 @@ impl Weight {
             Self::Dense(t) => crate::compute::placement::normalise(t, p),
             Self::Quantized(q) => {
                 crate::compute::placement::normalise(&q.dequantize(&p.device)?, p)
+            }
+            Self::Mxfp4(m) => {
+                let values = Tensor::from_vec(m.dequantize(), (m.rows(), m.cols()), &p.device)?;
+                crate::compute::placement::normalise(&values, p)
             }
         }
     }
@@ -160,6 +167,9 @@ impl Weight {
     pub fn matmul(&self, p: &Placement) -> Result<Linear> {
         match self {
             Self::Quantized(q) if p.dtype == DType::F32 => Linear::quantized(q.clone(), &p.device),
+            Self::Mxfp4(m) if p.dtype == DType::F32 && p.device.is_cpu() => {
+                Ok(Linear::Mxfp4(m.clone()))
+            }
             other => Ok(Linear::dense(other.dense(p)?)),
         }
     }
