@@ -104,12 +104,17 @@ impl GgufWeights {
             kind: format!("Mxfp4{:?}", r.dims),
             dims: r.dims.clone(),
             offset: r.offset,
-            start: self.content.tensor_data_offset + r.offset,
+            start: self.raw_start(r),
             len: r.byte_len().unwrap_or(0),
             quantized: true,
         }));
         all.sort_by(|a, b| a.name.cmp(b.name));
         all
+    }
+
+    /// Where an MXFP4 tensor's data starts in the file.
+    fn raw_start(&self, r: &RawTensorInfo) -> u64 {
+        self.content.tensor_data_offset + r.offset
     }
 
     /// `len` bytes at `start` of the file.
@@ -156,8 +161,7 @@ impl GgufWeights {
                     reason: format!("MXFP4 tensor {name} is {:?}, not a matrix", r.dims),
                 });
             };
-            let start = self.content.tensor_data_offset + r.offset;
-            let bytes = self.read_at(start, r.byte_len().unwrap_or(0))?;
+            let bytes = self.read_at(self.raw_start(r), r.byte_len().unwrap_or(0))?;
             return self.mxfp4(name, &bytes, rows, cols);
         }
         if !self.has_tensor(name) {
@@ -186,26 +190,22 @@ impl GgufWeights {
         legacy: &str,
         device: &Device,
     ) -> Result<Weight> {
-        if let Some(r) = self.raw.get(stacked) {
-            let &[experts, rows, cols] = r.dims.as_slice() else {
-                return Err(ModelError::Corrupt {
-                    format: "GGUF",
-                    path: self.path.clone(),
-                    reason: format!("stacked MXFP4 experts {stacked} are {:?}", r.dims),
-                });
-            };
-            if expert >= experts {
-                return Err(ModelError::MissingTensor {
-                    name: format!("{stacked} expert {expert} (the tensor holds {experts})"),
-                });
-            }
-            let slab = r.byte_len().unwrap_or(0) / experts as u64;
-            let start = self.content.tensor_data_offset + r.offset + expert as u64 * slab;
-            let bytes = self.read_at(start, slab)?;
-            return self.mxfp4(stacked, &bytes, rows, cols);
-        }
-        let Some(info) = self.content.tensor_infos.get(stacked) else {
-            return self.load(legacy, device);
+        // Where the stack is and its type (`None`: MXFP4, which candle's index leaves out).
+        let (dims, (start, len), dtype) = match (
+            self.raw.get(stacked),
+            self.content.tensor_infos.get(stacked),
+        ) {
+            (Some(r), _) => (
+                r.dims.clone(),
+                (self.raw_start(r), r.byte_len().unwrap_or(0)),
+                None,
+            ),
+            (None, Some(info)) => (
+                info.shape.dims().to_vec(),
+                self.data_range(info),
+                Some(info.ggml_dtype),
+            ),
+            (None, None) => return self.load(legacy, device),
         };
         let corrupt = |reason: String| ModelError::Corrupt {
             format: "GGUF",
@@ -213,9 +213,11 @@ impl GgufWeights {
             reason: format!("tensor {stacked}: {reason}"),
         };
         // Matrices `[experts, rows, cols]`, biases `[experts, rows]`.
-        let (experts, each) = match info.shape.dims() {
+        let (experts, each) = match dims.as_slice() {
             &[experts, rows, cols] => (experts, vec![rows, cols]),
-            &[experts, rows] if stacked.ends_with(".bias") => (experts, vec![rows]),
+            &[experts, rows] if stacked.ends_with(".bias") && dtype.is_some() => {
+                (experts, vec![rows])
+            }
             other => {
                 return Err(corrupt(format!(
                     "stacked experts must be 3-D (or 2-D biases), not {other:?}"
@@ -227,22 +229,13 @@ impl GgufWeights {
                 name: format!("{stacked} expert {expert} (the tensor holds {experts})"),
             });
         }
-        let (start, len) = self.data_range(info);
         let slab = len / experts as u64;
-        let mut bytes = vec![0u8; slab as usize];
-        {
-            let mut file = self.file()?;
-            file.seek(SeekFrom::Start(start + expert as u64 * slab))
-                .and_then(|_| file.read_exact(&mut bytes))
-                .map_err(|e| ModelError::io(&self.path, e))?;
-        }
-        let q = candle_core::quantized::ggml_file::qtensor_from_ggml(
-            info.ggml_dtype,
-            &bytes,
-            each,
-            device,
-        )
-        .map_err(|e| corrupt(e.to_string()))?;
+        let bytes = self.read_at(start + expert as u64 * slab, slab)?;
+        let Some(dtype) = dtype else {
+            return self.mxfp4(stacked, &bytes, each[0], each[1]);
+        };
+        let q = candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, &bytes, each, device)
+            .map_err(|e| corrupt(e.to_string()))?;
         self.log.record(stacked, q.storage_size_in_bytes());
         Ok(Weight::Quantized(Arc::new(q)))
     }
