@@ -4,8 +4,8 @@
 //! models in model/tests/oracle_families.rs).
 use petal_client::{ChainConfig, Generator, SwarmClient, VerifyPolicy};
 use petal_model::synthetic::{
-    gpt_oss_gguf_from_hf, write_gguf, write_model, GgufFormat, GgufTokenizer, SyntheticFamily,
-    SyntheticShape, WeightDType, MINI,
+    gpt_oss_gguf_from_hf, gpt_oss_mxfp4_checkpoint, write_gguf, write_model, GgufFormat,
+    GgufTokenizer, SyntheticFamily, SyntheticShape, WeightDType, MINI,
 };
 use petal_model::text::decoding::GenerationConfig;
 use petal_model::{BlockRange, ModelSource, Placement};
@@ -32,11 +32,16 @@ fn three_nodes_match_local(family: SyntheticFamily, window: Option<usize>) {
 
 /// The named shape written as a Q4_K_M GGUF with SmolLM2's tokenizer, through one node per span of `spans`.
 fn q4_k_m_gguf_matches_local(shape: &str, spans: &[&str]) {
+    gguf_matches_local(shape, GgufFormat::Q4KM, spans);
+}
+
+/// The named shape written as a GGUF of `format` with SmolLM2's tokenizer, through one node per span of `spans`.
+fn gguf_matches_local(shape: &str, format: GgufFormat, spans: &[&str]) {
     let dir = tempfile::tempdir().expect("tempdir");
     let named = SyntheticShape::named(shape).expect("a named shape");
     let tokenizer = GgufTokenizer::from_gguf(&smollm_gguf()).expect("SmolLM2's tokenizer");
-    let path = dir.path().join(format!("{shape}-q4_k_m.gguf"));
-    write_gguf(&path, &named, GgufFormat::Q4KM, &tokenizer, SEED).expect("write the GGUF");
+    let path = dir.path().join(format!("{shape}-{}.gguf", format.name()));
+    write_gguf(&path, &named, format, &tokenizer, SEED).expect("write the GGUF");
     swarm_matches_local(&format!("{shape} GGUF"), &path, spans);
 }
 
@@ -194,6 +199,13 @@ fn gpt_oss_gguf_two_nodes_match_local() {
     q4_k_m_gguf_matches_local("gpt-oss-tiny", &["0..1", "1..4"]);
 }
 
+/// A `gpt-oss` GGUF as llama-quantize's MXFP4_MOE writes it (stacked experts in MXFP4, the rest Q8_0) split over
+/// two nodes.
+#[test]
+fn gpt_oss_mxfp4_gguf_two_nodes_match_local() {
+    gguf_matches_local("gpt-oss-tiny", GgufFormat::Mxfp4Moe, &["0..3", "3..4"]);
+}
+
 /// A gpt-oss HF checkpoint (experts stacked input-major, gate and up interleaved) gives the greedy tokens of the
 /// same weights converted to GGUF as llama.cpp's converter lays them out (which tests/tests/llama_oracle.rs runs
 /// against llama.cpp).
@@ -202,8 +214,29 @@ fn gpt_oss_checkpoint_equals_its_gguf_conversion() {
     let dir = tempfile::tempdir().expect("tempdir");
     let shape = SyntheticShape::named("gpt-oss-tiny").expect("a named shape");
     write_model(dir.path(), &shape, WeightDType::F32, SEED).expect("write the checkpoint");
-    let gguf = dir.path().join("converted.gguf");
-    gpt_oss_gguf_from_hf(&shape, dir.path(), &gguf, None).expect("convert");
+    checkpoint_equals_its_gguf_conversion(&shape, dir.path());
+}
+
+/// gpt-oss as OpenAI ships it (experts in MXFP4 `_blocks` and `_scales`, gate and up interleaved by row): through
+/// three nodes as locally, and as its GGUF conversion (experts kept in MXFP4, as llama.cpp's converter does).
+#[test]
+fn gpt_oss_mxfp4_checkpoint_three_nodes_and_its_gguf_match_local() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let shape = SyntheticShape::named("gpt-oss-tiny").expect("a named shape");
+    let (dense, mxfp4) = (dir.path().join("bf16"), dir.path().join("mxfp4"));
+    write_model(&dense, &shape, WeightDType::BF16, SEED).expect("write the checkpoint");
+    gpt_oss_mxfp4_checkpoint(&dense, &mxfp4).expect("quantize its experts");
+    let source = ModelSource::open(&mxfp4).expect("open the MXFP4 checkpoint");
+    assert_eq!(source.quantization(), "mxfp4");
+    swarm_matches_local("gpt-oss MXFP4", &mxfp4, &["0..1", "1..3", "3..4"]);
+    checkpoint_equals_its_gguf_conversion(&shape, &mxfp4);
+}
+
+/// The checkpoint of `shape` in `hf_dir` and its GGUF conversion give the same greedy tokens.
+fn checkpoint_equals_its_gguf_conversion(shape: &SyntheticShape, hf_dir: &Path) {
+    let gguf_dir = tempfile::tempdir().expect("tempdir");
+    let gguf = gguf_dir.path().join("converted.gguf");
+    gpt_oss_gguf_from_hf(shape, hf_dir, &gguf, None).expect("convert");
     let prompt: Vec<u32> = (1..30).map(|i| i * 37 % 4000).collect();
     let config = GenerationConfig {
         max_new_tokens: NEW_TOKENS,
@@ -221,7 +254,7 @@ fn gpt_oss_checkpoint_equals_its_gguf_conversion() {
         })
         .expect("generation")
     };
-    let (checkpoint, converted) = (run(dir.path()), run(&gguf));
+    let (checkpoint, converted) = (run(hf_dir), run(&gguf));
     assert_eq!(checkpoint.output.tokens, converted.output.tokens);
     assert_eq!(checkpoint.output.tokens.len(), NEW_TOKENS);
 }

@@ -279,6 +279,15 @@ impl ModelSpec {
         };
         let deepseek = family.starts_with("deepseek");
         let gpt_oss = family == "gpt_oss";
+        if let Some(q) = &c.quantization_config {
+            let method = q.quant_method.as_deref().unwrap_or("unnamed");
+            if !(gpt_oss && method == "mxfp4") {
+                return Err(ModelError::Config(format!(
+                    "quantization_config: {method:?} checkpoints are not supported (gpt-oss's \"mxfp4\" is; \
+                     other quantized models load from GGUF)"
+                )));
+            }
+        }
         if deepseek {
             let methods = ["greedy", "group_limited_greedy", "noaux_tc"];
             if let Some(m) = c.topk_method.as_deref().filter(|m| !methods.contains(m)) {
@@ -601,6 +610,14 @@ struct HfConfig {
     first_k_dense_replace: Option<usize>,
     moe_layer_freq: Option<usize>,
     swiglu_limit: Option<f32>,
+    quantization_config: Option<HfQuantization>,
+}
+
+/// A checkpoint's `quantization_config`: only gpt-oss's MXFP4 experts are read (other methods store tensors this
+/// loader would misread, so they are refused at open).
+#[derive(Deserialize)]
+struct HfQuantization {
+    quant_method: Option<String>,
 }
 
 #[derive(Deserialize)]

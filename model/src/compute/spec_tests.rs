@@ -237,3 +237,24 @@ fn deepseek_latent_attention_and_routing() {
     let too_few_groups = v3.replace(r#""topk_group":2"#, r#""topk_group":5"#);
     assert!(ModelSpec::from_hf_config("v3", &too_few_groups).is_err());
 }
+
+#[test]
+fn quantized_checkpoints_other_than_gpt_oss_mxfp4_are_refused() {
+    let awq = STORIES.replace(
+        r#""rope_scaling":null"#,
+        r#""rope_scaling":null,"quantization_config":{"quant_method":"awq","bits":4}"#,
+    );
+    let e = ModelSpec::from_hf_config("awq", &awq)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("\"awq\"") && e.contains("GGUF"), "{e}");
+    let mxfp4_llama = awq.replace("awq", "mxfp4");
+    assert!(ModelSpec::from_hf_config("l", &mxfp4_llama).is_err());
+    let shape = crate::synthetic::SHAPES
+        .iter()
+        .find(|s| s.name == "gpt-oss-tiny")
+        .unwrap();
+    let mut config = shape.config_json(crate::synthetic::WeightDType::BF16);
+    config["quantization_config"] = serde_json::json!({"quant_method": "mxfp4"});
+    ModelSpec::from_hf_config("gpt-oss", &config.to_string()).unwrap();
+}

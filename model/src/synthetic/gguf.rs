@@ -1,5 +1,5 @@
 //! Random-weight Llama- and Qwen3-MoE-architecture models written as GGUF files in the quantizations users
-//! download (Q4_0, Q8_0, Q4_K_M, Q5_K_M), at real scale: an 8B-, 70B- or 30B-A3B-shaped file takes the bytes of
+//! download (Q4_0, Q8_0, Q4_K_M, Q5_K_M, MXFP4_MOE), at real scale: an 8B-, 70B- or 30B-A3B-shaped file takes the bytes of
 //! the real one. Experts are stacked in one 3-D tensor per matrix, as llama.cpp's converter writes them.
 //!
 //! Quantized blocks are random bytes in each format's block layout with the scales set so that every weight has a
@@ -9,9 +9,10 @@
 //! speed of the disk; a file already written with the same shape, format, tokenizer and seed is kept.
 use super::gguf_deepseek::{deepseek2_metadata, override_metadata};
 use super::gguf_gpt_oss::{gpt_oss_block, gpt_oss_metadata};
-use super::gguf_header::write_header;
+use super::gguf_header::{write_header, TensorType};
 use super::values::{fnv1a, large_value, norm_value, small_value, SplitMix64, ValueTable, Values};
 use super::{is_current, SyntheticFamily, SyntheticShape, WeightDType};
+use crate::compute::linear::mxfp4;
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::GgmlDType;
 use std::fs::File;
@@ -29,12 +30,21 @@ pub enum GgufFormat {
     Q5KM,
     /// Every matrix in f32: no quantization between two engines that are compared.
     F32,
+    /// llama-quantize's MXFP4_MOE (gpt-oss's files): stacked experts in MXFP4, every other matrix in Q8_0.
+    Mxfp4Moe,
 }
 
 impl GgufFormat {
-    pub const ALL: [Self; 5] = [Self::Q4_0, Self::Q8_0, Self::Q4KM, Self::Q5KM, Self::F32];
+    pub const ALL: [Self; 6] = [
+        Self::Q4_0,
+        Self::Q8_0,
+        Self::Q4KM,
+        Self::Q5KM,
+        Self::F32,
+        Self::Mxfp4Moe,
+    ];
 
-    /// Parses `q4_0`, `q8_0`, `q4_k_m`, `q5_k_m` or `f32` (any case).
+    /// Parses `q4_0`, `q8_0`, `q4_k_m`, `q5_k_m`, `f32` or `mxfp4_moe` (any case).
     pub fn parse(s: &str) -> Option<Self> {
         let s = s.trim().to_ascii_lowercase();
         Self::ALL.into_iter().find(|f| f.name() == s)
@@ -47,6 +57,7 @@ impl GgufFormat {
             Self::Q4KM => "q4_k_m",
             Self::Q5KM => "q5_k_m",
             Self::F32 => "f32",
+            Self::Mxfp4Moe => "mxfp4_moe",
         }
     }
 
@@ -58,13 +69,14 @@ impl GgufFormat {
             Self::Q4KM => 15,
             Self::Q5KM => 17,
             Self::F32 => 0,
+            Self::Mxfp4Moe => 38,
         }
     }
 
     fn base(self) -> GgmlDType {
         match self {
             Self::Q4_0 => GgmlDType::Q4_0,
-            Self::Q8_0 => GgmlDType::Q8_0,
+            Self::Q8_0 | Self::Mxfp4Moe => GgmlDType::Q8_0,
             Self::Q4KM => GgmlDType::Q4K,
             Self::Q5KM => GgmlDType::Q5K,
             Self::F32 => GgmlDType::F32,
@@ -75,10 +87,23 @@ impl GgufFormat {
     fn matrix_type(self, role: Role, block: Option<(usize, usize)>) -> GgmlDType {
         let k_quant = matches!(self, Self::Q4KM | Self::Q5KM);
         match (role, block) {
-            (Role::Output, _) if matches!(self, Self::Q8_0 | Self::F32) => self.base(),
+            (Role::Output, _) if matches!(self, Self::Q8_0 | Self::F32 | Self::Mxfp4Moe) => {
+                self.base()
+            }
             (Role::Output, _) => GgmlDType::Q6K,
             (Role::MoreBits, Some((i, n))) if k_quant && use_more_bits(i, n) => GgmlDType::Q6K,
             _ => self.base(),
+        }
+    }
+
+    /// `t` (one expert's matrix, typed by [`Self::matrix_type`]) as the stack of `experts` of them: in MXFP4 for
+    /// [`Self::Mxfp4Moe`] where its rows split into MXFP4 blocks.
+    pub(super) fn stacked(self, t: GgufTensor, experts: usize) -> GgufTensor {
+        let mxfp4 = self == Self::Mxfp4Moe && t.dims[0].is_multiple_of(mxfp4::QK_MXFP4);
+        GgufTensor {
+            dims: vec![t.dims[0], t.dims[1], experts],
+            dtype: if mxfp4 { TensorType::Mxfp4 } else { t.dtype },
+            ..t
         }
     }
 }
@@ -242,7 +267,7 @@ pub fn write_gguf(
 pub(super) struct GgufTensor {
     pub name: String,
     pub dims: Vec<usize>,
-    pub dtype: GgmlDType,
+    pub dtype: TensorType,
     /// What an f32 tensor holds (a quantized one holds random blocks of weights).
     pub values: Values,
 }
@@ -273,13 +298,13 @@ fn gguf_tensors(shape: &SyntheticShape, format: GgufFormat) -> Vec<GgufTensor> {
         |name: String, rows: usize, cols: usize, role: Role, block: Option<usize>| GgufTensor {
             name,
             dims: vec![cols, rows],
-            dtype: fits(format.matrix_type(role, block.map(|i| (i, n))), cols),
+            dtype: TensorType::Ggml(fits(format.matrix_type(role, block.map(|i| (i, n))), cols)),
             values: Values::Weight,
         };
     let norm = |name: String, len: usize| GgufTensor {
         name,
         dims: vec![len],
-        dtype: GgmlDType::F32,
+        dtype: TensorType::F32,
         values: Values::Norm,
     };
     let mut t = vec![matrix(
@@ -293,14 +318,19 @@ fn gguf_tensors(shape: &SyntheticShape, format: GgufFormat) -> Vec<GgufTensor> {
         let p = format!("blk.{i}");
         let b = Some(i);
         if shape.family == SyntheticFamily::GptOss {
-            t.extend(gpt_oss_block(shape, &p, &|name, rows, cols, more_bits| {
-                let role = if more_bits {
-                    Role::MoreBits
-                } else {
-                    Role::Plain
-                };
-                matrix(name, rows, cols, role, b)
-            }));
+            t.extend(gpt_oss_block(
+                shape,
+                format,
+                &p,
+                &|name, rows, cols, more_bits| {
+                    let role = if more_bits {
+                        Role::MoreBits
+                    } else {
+                        Role::Plain
+                    };
+                    matrix(name, rows, cols, role, b)
+                },
+            ));
             continue;
         }
         if deepseek {
@@ -366,15 +396,14 @@ fn gguf_tensors(shape: &SyntheticShape, format: GgufFormat) -> Vec<GgufTensor> {
         match shape.expert_shape().filter(|_| !(deepseek && i == 0)) {
             Some(e) => {
                 // llama.cpp keeps the router in f32 and gives ffn_down_exps the bits ffn_down gets.
-                let stacked = |name: &str, rows: usize, cols: usize, role: Role| GgufTensor {
-                    dims: vec![cols, rows, e.count],
-                    ..matrix(format!("{p}.{name}"), rows, cols, role, b)
+                let stacked = |name: &str, rows: usize, cols: usize, role: Role| {
+                    format.stacked(matrix(format!("{p}.{name}"), rows, cols, role, b), e.count)
                 };
                 t.extend([
                     GgufTensor {
                         name: format!("{p}.ffn_gate_inp.weight"),
                         dims: vec![h, e.count],
-                        dtype: GgmlDType::F32,
+                        dtype: TensorType::F32,
                         values: Values::Weight,
                     },
                     stacked("ffn_gate_exps.weight", e.size, h, Role::Plain),
@@ -385,7 +414,7 @@ fn gguf_tensors(shape: &SyntheticShape, format: GgufFormat) -> Vec<GgufTensor> {
                     t.push(GgufTensor {
                         name: format!("{p}.exp_probs_b.bias"),
                         dims: vec![e.count],
-                        dtype: GgmlDType::F32,
+                        dtype: TensorType::F32,
                         values: Values::Weight,
                     });
                 }
@@ -494,7 +523,7 @@ fn f16_le(v: f32) -> [u8; 2] {
 
 /// Writes a tensor's data: norms from the synthetic norm grid, matrices as random blocks of their type.
 fn write_tensor(out: &mut impl Write, t: &GgufTensor, rng: &mut SplitMix64) -> io::Result<()> {
-    if t.dtype == GgmlDType::F32 {
+    if t.dtype == TensorType::F32 {
         let table = match t.values {
             Values::Weight => ValueTable::new(WeightDType::F32, |k| k as f32 / 4096.0),
             Values::Large => ValueTable::new(WeightDType::F32, large_value),
@@ -529,9 +558,17 @@ fn write_tensor(out: &mut impl Write, t: &GgufTensor, rng: &mut SplitMix64) -> i
 /// 0.02 ([`TARGET_STD`]) and no bias: the scale `d` takes a random factor in 1..2 from the block's own last byte
 /// (so blocks differ), and a K-quant's sub-block minimums equal its scales, with `dmin` the unsigned values' mean
 /// times `d`, so that each sub-block is centred.
-fn set_scales(dtype: GgmlDType, b: &mut [u8]) {
+fn set_scales(dtype: TensorType, b: &mut [u8]) {
     let jitter = (1.0 + f32::from(b[b.len() - 1]) / 256.0) / 1.5;
     let d_for = |value_std: f32| TARGET_STD / value_std * jitter;
+    let dtype = match dtype {
+        // 2^(e - 127) / 2 times a doubled FP4 value (rms 5.85): e = 120 gives std 0.023, 119 half that.
+        TensorType::Mxfp4 => {
+            b[0] = 119 + (b[b.len() - 1] & 1);
+            return;
+        }
+        TensorType::Ggml(d) => d,
+    };
     match dtype {
         // d * (q - 8), q in 0..16: std 4.6.
         GgmlDType::Q4_0 => b[..2].copy_from_slice(&f16_le(d_for(4.6))),

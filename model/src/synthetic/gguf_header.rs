@@ -1,5 +1,6 @@
 //! The bytes of a GGUF file's header: magic, counts, metadata values, tensor descriptions with their offsets.
 use super::gguf::{pad, GgufTensor, ALIGNMENT};
+use crate::compute::linear::mxfp4;
 use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::GgmlDType;
 use std::io::{self, Seek, Write};
@@ -26,23 +27,51 @@ pub(super) fn write_header<W: Write + Seek>(
         for &d in &t.dims {
             out.write_all(&(d as u64).to_le_bytes())?;
         }
-        out.write_all(&ggml_type_id(t.dtype).to_le_bytes())?;
+        out.write_all(&t.dtype.id().to_le_bytes())?;
         out.write_all(&offset.to_le_bytes())?;
         offset += (t.bytes() as u64).div_ceil(ALIGNMENT) * ALIGNMENT;
     }
     pad(out)
 }
 
-/// ggml's `ggml_type` number of the types this module writes.
-fn ggml_type_id(dtype: GgmlDType) -> u32 {
-    match dtype {
-        GgmlDType::F32 => 0,
-        GgmlDType::Q4_0 => 2,
-        GgmlDType::Q8_0 => 8,
-        GgmlDType::Q4K => 12,
-        GgmlDType::Q5K => 13,
-        GgmlDType::Q6K => 14,
-        other => unreachable!("synthetic GGUF files hold no {other:?}"),
+/// A tensor's type in the file: one of candle's, or MXFP4 (ggml's type 39), which candle does not know.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum TensorType {
+    Ggml(GgmlDType),
+    Mxfp4,
+}
+
+impl TensorType {
+    pub(super) const F32: Self = Self::Ggml(GgmlDType::F32);
+
+    /// Values per block.
+    pub(super) fn block_size(self) -> usize {
+        match self {
+            Self::Ggml(d) => d.block_size(),
+            Self::Mxfp4 => mxfp4::QK_MXFP4,
+        }
+    }
+
+    /// Bytes per block.
+    pub(super) fn type_size(self) -> usize {
+        match self {
+            Self::Ggml(d) => d.type_size(),
+            Self::Mxfp4 => mxfp4::BLOCK_BYTES,
+        }
+    }
+
+    /// ggml's `ggml_type` number.
+    fn id(self) -> u32 {
+        match self {
+            Self::Ggml(GgmlDType::F32) => 0,
+            Self::Ggml(GgmlDType::Q4_0) => 2,
+            Self::Ggml(GgmlDType::Q8_0) => 8,
+            Self::Ggml(GgmlDType::Q4K) => 12,
+            Self::Ggml(GgmlDType::Q5K) => 13,
+            Self::Ggml(GgmlDType::Q6K) => 14,
+            Self::Mxfp4 => 39,
+            Self::Ggml(other) => unreachable!("synthetic GGUF files hold no {other:?}"),
+        }
     }
 }
 

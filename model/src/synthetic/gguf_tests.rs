@@ -83,7 +83,7 @@ fn every_format_reads_back_with_weights_near_the_init_scale() {
             let q = content
                 .tensor(&mut file, &t.name, &Device::Cpu)
                 .expect("tensor reads");
-            assert_eq!(q.dtype(), t.dtype, "{}", t.name);
+            assert_eq!(TensorType::Ggml(q.dtype()), t.dtype, "{}", t.name);
             let v: Vec<f32> = q
                 .dequantize(&Device::Cpu)
                 .and_then(|x| x.flatten_all())
@@ -109,4 +109,32 @@ fn every_format_reads_back_with_weights_near_the_init_scale() {
             }
         }
     }
+}
+
+#[test]
+fn mxfp4_moe_stacks_experts_in_mxfp4_and_the_rest_in_q8_0() {
+    use crate::compute::weights::{BlockTensor, GgufWeights, Weight, WeightSource};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let shape = SyntheticShape::named("gpt-oss-tiny").expect("a shape");
+    let path = dir.path().join("gpt-oss-mxfp4.gguf");
+    write_gguf(&path, &shape, GgufFormat::Mxfp4Moe, &smollm_tokenizer(), 7).expect("written");
+    let w = GgufWeights::open(&path).expect("opens");
+    assert_eq!(w.quantization(), "mxfp4");
+    for t in [BlockTensor::ExpertGate(5), BlockTensor::ExpertDown(0)] {
+        let Ok(Weight::Mxfp4(m)) = w.load_block(1, t, &Device::Cpu) else {
+            panic!("{t:?} is MXFP4");
+        };
+        let v = m.dequantize();
+        let n = v.len() as f64;
+        let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
+        let std = (v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n).sqrt();
+        assert!(
+            (0.01..0.03).contains(&std) && mean.abs() < std / 8.0,
+            "{t:?}: {mean} {std}"
+        );
+    }
+    let Ok(Weight::Quantized(q)) = w.load_block(1, BlockTensor::Q, &Device::Cpu) else {
+        panic!("attention stays quantized");
+    };
+    assert_eq!(q.dtype(), GgmlDType::Q8_0);
 }

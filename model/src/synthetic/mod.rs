@@ -19,6 +19,7 @@ mod gguf;
 mod gguf_deepseek;
 mod gguf_gpt_oss;
 mod gguf_header;
+mod mxfp4_checkpoint;
 mod shapes;
 mod tensors;
 mod values;
@@ -26,6 +27,7 @@ mod values;
 pub use gguf::{write_gguf, GgufFormat, GgufTokenizer, WrittenGguf};
 pub use gguf_deepseek::{deepseek2_metadata, override_metadata};
 pub use gguf_gpt_oss::gpt_oss_gguf_from_hf;
+pub use mxfp4_checkpoint::gpt_oss_mxfp4_checkpoint;
 pub use shapes::{MINI, SHAPES};
 
 #[cfg(test)]

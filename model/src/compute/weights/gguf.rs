@@ -335,20 +335,26 @@ impl WeightSource for GgufWeights {
     }
 
     fn quantization(&self) -> String {
-        // The dtype most block matmul weights use names the quantization.
-        let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+        // The dtype that holds most of the blocks' matrix bytes names the quantization (by bytes, not tensors: a
+        // gpt-oss file has more small Q8_0 attention matrices than MXFP4 expert stacks).
+        let mut bytes: BTreeMap<String, u64> = BTreeMap::new();
         for (name, info) in &self.content.tensor_infos {
             if name.starts_with("blk.") && info.shape.rank() >= 2 {
-                *counts
+                *bytes
                     .entry(format!("{:?}", info.ggml_dtype).to_lowercase())
-                    .or_default() += 1;
+                    .or_default() += self.data_range(info).1;
             }
         }
-        let mxfp4 = self.raw.keys().filter(|n| n.starts_with("blk.")).count();
+        let mxfp4: u64 = self
+            .raw
+            .iter()
+            .filter(|(n, _)| n.starts_with("blk."))
+            .map(|(_, r)| r.byte_len().unwrap_or(0))
+            .sum();
         if mxfp4 > 0 {
-            *counts.entry("mxfp4".into()).or_default() += mxfp4;
+            *bytes.entry("mxfp4".into()).or_default() += mxfp4;
         }
-        counts
+        bytes
             .into_iter()
             .max_by_key(|(_, n)| *n)
             .map(|(d, _)| d)

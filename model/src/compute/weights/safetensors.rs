@@ -1,11 +1,18 @@
 //! Hugging Face safetensors, one file or sharded (`model.safetensors.index.json`), memory-mapped: a tensor's pages
 //! are touched only when it is loaded.
 use super::shards::{ShardFetch, Shards};
-use super::{BlockTensor, HeadTensor, HfLayout, LoadLog, Weight, WeightSource};
+use super::{BlockTensor, HeadTensor, HfLayout, LoadLog, StoredTensor, Weight, WeightSource};
+use crate::compute::linear::{mxfp4, Mxfp4Matrix};
 use crate::error::{ModelError, Result};
 use candle_core::Device;
+use safetensors::Dtype;
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The suffixes of an MXFP4 matrix's two tensors in a checkpoint (gpt-oss as OpenAI ships it).
+const MXFP4_BLOCKS: &str = "_blocks";
+const MXFP4_SCALES: &str = "_scales";
 
 pub struct SafetensorsWeights {
     files: Vec<PathBuf>,
@@ -83,6 +90,9 @@ impl SafetensorsWeights {
             _ => return Ok(None),
         };
         let name = format!("model.layers.{block}.mlp.experts.{leaf}");
+        if !self.has(&name) && self.has(&format!("{name}{MXFP4_BLOCKS}")) {
+            return self.load_mxfp4_expert(&name, expert, half).map(Some);
+        }
         let view = self.st.get(&name)?;
         let dims = view.shape().to_vec();
         let bad = |reason: String| ModelError::TensorShape {
@@ -132,6 +142,57 @@ impl SafetensorsWeights {
         };
         self.log.record(&name, bytes.len());
         Ok(Some(Weight::Dense(x)))
+    }
+
+    /// Expert `expert`'s matrix of an MXFP4 checkpoint: `{name}_blocks` (`[experts, rows, cols / 32, 16]` bytes) and
+    /// `{name}_scales` (`[experts, rows, cols / 32]` exponents), output-major, so gate and up interleave by row (gate
+    /// at even rows, as they do by column once dequantized). Only that expert's bytes (of `half`'s rows) are read,
+    /// and repacked for our kernels ([`Mxfp4Matrix::from_hf_blocks`]), not dequantized.
+    fn load_mxfp4_expert(&self, name: &str, expert: usize, half: Option<usize>) -> Result<Weight> {
+        let (blocks_name, scales_name) = (
+            format!("{name}{MXFP4_BLOCKS}"),
+            format!("{name}{MXFP4_SCALES}"),
+        );
+        let (blocks, scales) = (self.st.get(&blocks_name)?, self.st.get(&scales_name)?);
+        let bad = |name: &str, reason: &str, actual: &[usize]| ModelError::TensorShape {
+            name: format!("{name} ({reason})"),
+            expected: vec![],
+            actual: actual.to_vec(),
+        };
+        let &[experts, rows, groups, 16] = blocks.shape() else {
+            return Err(bad(
+                &blocks_name,
+                "expected [experts, rows, blocks, 16] bytes",
+                blocks.shape(),
+            ));
+        };
+        if scales.shape() != [experts, rows, groups] {
+            return Err(ModelError::TensorShape {
+                name: scales_name,
+                expected: vec![experts, rows, groups],
+                actual: scales.shape().to_vec(),
+            });
+        }
+        if blocks.dtype() != Dtype::U8 || scales.dtype() != Dtype::U8 {
+            return Err(bad(&blocks_name, "MXFP4 blocks and scales are U8", &[]));
+        }
+        let m = Mxfp4Matrix::from_hf_stack(
+            blocks.data(),
+            scales.data(),
+            (experts, rows, groups * 32),
+            expert,
+            half,
+        )
+        .map_err(|e| match e {
+            ModelError::Config(reason) if expert >= experts => ModelError::MissingTensor {
+                name: format!("{blocks_name} expert {expert}: {reason}"),
+            },
+            ModelError::Config(reason) => bad(&blocks_name, &reason, blocks.shape()),
+            other => other,
+        })?;
+        self.log
+            .record(&blocks_name, m.rows() * groups * mxfp4::BLOCK_BYTES);
+        Ok(Weight::Mxfp4(Arc::new(m)))
     }
 }
 
@@ -230,7 +291,40 @@ impl WeightSource for SafetensorsWeights {
     }
 
     fn quantization(&self) -> String {
-        "none".into()
+        if self.st.names().any(|n| n.ends_with(MXFP4_BLOCKS)) {
+            "mxfp4".into()
+        } else {
+            "none".into()
+        }
+    }
+
+    /// From the headers of shards already on disk (a hub model's are not fetched for this). MXFP4 blocks and
+    /// scales count as quantized bytes, the values they hold as the elements they dequantize to.
+    fn block_stored(&self, block: usize) -> Option<Vec<StoredTensor>> {
+        let tensors = self
+            .st
+            .local_tensors_where(|name| self.block_of(name) == Some(block))?;
+        let stored = tensors
+            .iter()
+            .map(|(name, view)| {
+                let bytes = view.data().len() as u64;
+                let mxfp4 = view.dtype() == Dtype::U8;
+                // Two values a byte in the blocks; the scales are not values.
+                let elements = if !mxfp4 {
+                    view.shape().iter().product::<usize>() as u64
+                } else if name.ends_with(MXFP4_BLOCKS) {
+                    2 * bytes
+                } else {
+                    0
+                };
+                StoredTensor {
+                    elements,
+                    bytes,
+                    quantized: mxfp4,
+                }
+            })
+            .collect();
+        Some(stored)
     }
 
     fn hash_block(&self, block: usize, hasher: &mut Sha256) -> Result<()> {
@@ -259,5 +353,76 @@ impl WeightSource for SafetensorsWeights {
         }
         hasher.update(format!("{} files", self.files.len()).as_bytes());
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::compute::linear::mxfp4::quantize_ggml;
+    use crate::synthetic::{gpt_oss_mxfp4_checkpoint, write_model, SyntheticShape, WeightDType};
+
+    /// An MXFP4 checkpoint's experts (quantized from the whole interleaved `[experts, in, out]` stack, as OpenAI's
+    /// are) load per expert as the rows of gate, up and down that the dense checkpoint's expert quantizes to.
+    #[test]
+    fn mxfp4_experts_load_per_expert_as_the_dense_ones_quantize() {
+        let dir = tempfile::tempdir().unwrap();
+        let shape = SyntheticShape::named("gpt-oss-tiny").unwrap();
+        let (dense_dir, mxfp4_dir) = (dir.path().join("f32"), dir.path().join("mxfp4"));
+        write_model(&dense_dir, &shape, WeightDType::F32, 5).unwrap();
+        gpt_oss_mxfp4_checkpoint(&dense_dir, &mxfp4_dir).unwrap();
+        let open = |d: &Path| {
+            SafetensorsWeights::open(d)
+                .unwrap()
+                .with_layout(HfLayout::GptOss)
+        };
+        let (dense, mxfp4) = (open(&dense_dir), open(&mxfp4_dir));
+        assert_eq!(
+            (dense.quantization(), mxfp4.quantization()),
+            ("none".into(), "mxfp4".into())
+        );
+        for t in [
+            BlockTensor::ExpertGate(3),
+            BlockTensor::ExpertUp(3),
+            BlockTensor::ExpertDown(0),
+        ] {
+            let Weight::Dense(d) = dense.load_block(2, t, &Device::Cpu).unwrap() else {
+                panic!("{t:?} of the dense checkpoint is dense");
+            };
+            let (rows, cols) = d.dims2().unwrap();
+            let values: Vec<f32> = d.flatten_all().unwrap().to_vec1().unwrap();
+            let want = Mxfp4Matrix::from_ggml_bytes(&quantize_ggml(&values, cols), rows, cols)
+                .unwrap()
+                .dequantize();
+            let Weight::Mxfp4(m) = mxfp4.load_block(2, t, &Device::Cpu).unwrap() else {
+                panic!("{t:?} of the MXFP4 checkpoint stays MXFP4");
+            };
+            assert_eq!((m.rows(), m.cols()), (rows, cols), "{t:?}");
+            assert_eq!(m.dequantize(), want, "{t:?}");
+        }
+        // Biases are dense in both.
+        assert!(matches!(
+            mxfp4.load_block(2, BlockTensor::ExpertUpBias(3), &Device::Cpu),
+            Ok(Weight::Dense(_))
+        ));
+        assert!(matches!(
+            mxfp4.load_block(2, BlockTensor::ExpertGate(99), &Device::Cpu),
+            Err(ModelError::MissingTensor { .. })
+        ));
+        // The memory plan counts the packed bytes (17 a block of 32 values), not the values in f32.
+        let loaded = |w: &SafetensorsWeights| -> (u64, u64) {
+            let stored = w.block_stored(1).unwrap();
+            let packed = stored.iter().filter(|t| t.quantized).map(|t| t.bytes).sum();
+            let all = stored
+                .iter()
+                .map(|t| t.loaded_bytes(candle_core::DType::F32))
+                .sum();
+            (packed, all)
+        };
+        let e = shape.expert_shape().unwrap();
+        let expert_values = (e.count * 3 * e.size * shape.hidden_size) as u64;
+        let ((none, dense_bytes), (packed, mxfp4_bytes)) = (loaded(&dense), loaded(&mxfp4));
+        assert_eq!((none, packed), (0, expert_values / 32 * 17));
+        assert_eq!(mxfp4_bytes, dense_bytes - 4 * expert_values + packed);
     }
 }

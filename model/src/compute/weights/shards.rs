@@ -142,6 +142,11 @@ impl Shards {
         self.map.contains_key(name)
     }
 
+    /// Every tensor's name, from the headers and the index alone (nothing is fetched).
+    pub(crate) fn names(&self) -> impl Iterator<Item = &str> {
+        self.map.keys().map(String::as_str)
+    }
+
     /// Tensor `name`'s view, opening (fetching) its shard if needed.
     pub(crate) fn get(&self, name: &str) -> Result<TensorView<'_>> {
         let missing = || ModelError::MissingTensor { name: name.into() };
@@ -172,6 +177,20 @@ impl Shards {
             out.push((name.clone(), self.get(name)?));
         }
         Ok(out)
+    }
+
+    /// [`Self::tensors_where`], or `None` when a shard holding one of them is not on disk yet (a hub model's, which
+    /// only loading should fetch).
+    pub(crate) fn local_tensors_where(
+        &self,
+        keep: impl Fn(&str) -> bool,
+    ) -> Option<Vec<(String, TensorView<'_>)>> {
+        let local = self
+            .map
+            .iter()
+            .filter(|(n, _)| keep(n))
+            .all(|(_, &i)| self.shards[i].st.get().is_some() || self.shards[i].path.is_file());
+        local.then(|| self.tensors_where(keep).ok()).flatten()
     }
 
     fn open(&self, i: usize) -> Result<&MmapedSafetensors> {

@@ -125,6 +125,57 @@ impl Mxfp4Matrix {
         Ok(w)
     }
 
+    /// Expert `expert` of a checkpoint's stacked `*_blocks` and `*_scales` (`experts` matrices of `[rows, cols]`,
+    /// back to back), or with `half`, only its rows `half, half + 2, ..` (gpt-oss interleaves gate and up by row).
+    pub fn from_hf_stack(
+        blocks: &[u8],
+        scales: &[u8],
+        (experts, rows, cols): (usize, usize, usize),
+        expert: usize,
+        half: Option<usize>,
+    ) -> Result<Self> {
+        let n = block_count(rows, cols)?;
+        let stack = (experts * rows, cols);
+        check_len("blocks", blocks, experts * n * (QK_MXFP4 / 2), stack)?;
+        check_len("scales", scales, experts * n, stack)?;
+        if expert >= experts || half.is_some_and(|h| h > 1 || !rows.is_multiple_of(2)) {
+            return Err(ModelError::Config(format!(
+                "no expert {expert} (half {half:?}) in {experts} MXFP4 matrices of {rows} rows"
+            )));
+        }
+        let pick = |data: &[u8], per_row: usize| -> Vec<u8> {
+            let all =
+                data[expert * rows * per_row..(expert + 1) * rows * per_row].chunks_exact(per_row);
+            match half {
+                None => all.flatten().copied().collect(),
+                Some(h) => all.skip(h).step_by(2).flatten().copied().collect(),
+            }
+        };
+        let nb = cols / QK_MXFP4;
+        let rows = if half.is_some() { rows / 2 } else { rows };
+        Self::from_hf_blocks(
+            &pick(blocks, nb * QK_MXFP4 / 2),
+            &pick(scales, nb),
+            rows,
+            cols,
+        )
+    }
+
+    /// The matrix as a Hugging Face checkpoint stores it: `(blocks, scales)` as [`Self::from_hf_blocks`] takes
+    /// them.
+    pub fn to_hf_blocks(&self) -> (Vec<u8>, Vec<u8>) {
+        let n = self.rows * (self.cols / QK_MXFP4);
+        let (mut blocks, mut scales) =
+            (Vec::with_capacity(n * QK_MXFP4 / 2), Vec::with_capacity(n));
+        for b in self.to_bytes().chunks_exact(BLOCK_BYTES) {
+            scales.push(b[0]);
+            // ggml's byte `j` holds value `j` low and `j + 16` high.
+            let q = |v: usize| (b[1 + v % 16] >> (4 * (v / 16))) & 0x0F;
+            blocks.extend((0..QK_MXFP4 / 2).map(|k| q(2 * k) | (q(2 * k + 1) << 4)));
+        }
+        (blocks, scales)
+    }
+
     /// A matrix of zero exponents and nibbles, its groups' rows past `rows` included.
     fn zeroed(rows: usize, cols: usize) -> Self {
         let slots = rows.div_ceil(GROUP_ROWS) * (cols / QK_MXFP4);
@@ -366,6 +417,7 @@ mod tests {
         let ours = Mxfp4Matrix::from_ggml_bytes(&ggml, rows, cols).unwrap();
         assert_eq!(hf.to_bytes(), ggml);
         assert_eq!(hf.dequantize(), ours.dequantize());
+        assert_eq!(ours.to_hf_blocks(), (blocks.clone(), scales.clone()));
         // And they are Hugging Face's numbers: its FP4 table times 2^(scale - 127).
         const FP4: [f32; 16] = [
             0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
