@@ -9,11 +9,12 @@ use std::time::Instant;
 
 #[derive(clap::Args, Debug)]
 pub struct GgufArgs {
-    /// Shape: 8b (Llama-3-8B), 14b, 70b (Llama-3-70B), 30b-a3b (Qwen3-30B-A3B, a mixture of experts), moe-1b, or a
-    /// smaller one of `--synthetic`'s.
+    /// Shape: 8b (Llama-3-8B), 14b, 70b (Llama-3-70B), 30b-a3b (Qwen3-30B-A3B, a mixture of experts),
+    /// deepseek-v2-lite, gpt-oss-20b, moe-1b, or a smaller one of `--synthetic`'s.
     #[arg(long, default_value = "8b")]
     shape: String,
-    /// File type, as llama-quantize names it: q4_0, q8_0, q4_k_m or q5_k_m.
+    /// File type, as llama-quantize names it: q4_0, q8_0, q4_k_m, q5_k_m, f32 or mxfp4_moe (experts in MXFP4,
+    /// the rest Q8_0: gpt-oss's files).
     #[arg(long, default_value = "q4_0")]
     format: String,
     /// The GGUF whose tokenizer (and so vocabulary) the file carries [default: SmolLM2's, a 49152-token

@@ -110,8 +110,8 @@ enum Command {
     /// Petal's half of the side-by-side benchmark with llama.cpp (prefill, decode, decode at depth, concurrent
     /// sessions, a chain against local, a node's resident size); scripts/bench-compare runs it with llama-bench.
     Compare(compare::CompareArgs),
-    /// Write a random-weight model of a real shape (8b, 14b, 70b, 30b-a3b) as a GGUF file (q4_0, q8_0, q4_k_m,
-    /// q5_k_m) and print what was written.
+    /// Write a random-weight model of a real shape (8b, 14b, 70b, 30b-a3b, deepseek-v2-lite, gpt-oss-20b) as a
+    /// GGUF file (q4_0, q8_0, q4_k_m, q5_k_m, f32, mxfp4_moe) and print what was written.
     Gguf(gguf::GgufArgs),
 }
 

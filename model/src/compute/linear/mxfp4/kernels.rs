@@ -9,7 +9,9 @@
 //! integer sum added as `d * sum` (fused: how a compiler that contracts, GCC and Clang by default, builds ggml's
 //! scalar tail). Read from ggml's source as we remember it, not checked against a ggml build here.
 //!
-//! There is no AVX-512 kernel yet: [`Kernel::Avx512Vnni`] runs the AVX2 one (every AVX-512 CPU has AVX2).
+//! The AVX-512 VNNI kernel forms the same exact integer lane sums with `dpbusd` (weights looked up offset by 128,
+//! unsigned, the activations' row offsets taking it back out), sixteen rows a vector, and adds them in the same
+//! float order: the three kernels agree bit for bit.
 use super::super::q8_0::{hsum_lanes, Q8_0Row};
 use super::super::{GROUP_ROWS, PART_BYTES};
 use super::{e8m0_half, Mxfp4Group, BLOCK_QS, KVALUES, QK_MXFP4};
@@ -31,10 +33,12 @@ pub fn group_dots(
     );
     match kernel {
         Kernel::Scalar => group_scalar(w, xs, out),
-        // SAFETY: `available` lists a kernel only on CPUs with its features, and AVX-512 VNNI implies AVX2 there
-        // (`cpu_features`); lengths were checked above.
+        // SAFETY: `available` lists a kernel only on CPUs with its features (`cpu_features`); lengths were checked
+        // above.
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 | Kernel::Avx512Vnni => unsafe { avx2::group_dots(w, xs, out) },
+        Kernel::Avx2 => unsafe { avx2::group_dots(w, xs, out) },
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512Vnni => unsafe { avx512_vnni::group_dots(w, xs, out) },
     }
 }
 
@@ -183,5 +187,83 @@ mod avx2 {
         let small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
         let bits = _mm256_blendv_epi8(normal, subnormal, small);
         _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(xd))
+    }
+}
+
+/// Sixteen lanes (the whole group) per vector, one activation row at a time: even and odd blocks in their own
+/// eight accumulators, as the AVX2 kernel's halves.
+#[cfg(target_arch = "x86_64")]
+mod avx512_vnni {
+    use super::super::super::q8_0::avx512_vnni::{add_lane, store_lanes};
+    use super::{Mxfp4Group, Q8_0Row, BLOCK_QS, GROUP_ROWS, KVALUES, PART_BYTES};
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn group_dots(w: Mxfp4Group<'_>, xs: &[Q8_0Row<'_>], out: &mut [[f32; GROUP_ROWS]]) {
+        // The table's entries plus 128, as the unsigned bytes `dpbusd` takes.
+        let offset: [u8; 16] = KVALUES.map(|v| (v as u8) ^ 0x80);
+        let table = _mm512_broadcast_i32x4(_mm_loadu_si128(offset.as_ptr() as *const __m128i));
+        let nb = w.blocks();
+        for (x, o) in xs.iter().zip(out.iter_mut()) {
+            let row = std::slice::from_ref(x);
+            let mut acc = [[[_mm512_setzero_ps(); 8]; 1]; 2];
+            for b in 0..nb / 2 * 2 {
+                let d = [scales(w, b, x.d[b])];
+                for (l, bw) in block_weights(w, table, b).into_iter().enumerate() {
+                    add_lane(&mut acc[b % 2], &d, bw, (row, b, l));
+                }
+            }
+            let both = [std::array::from_fn(|l| {
+                _mm512_add_ps(acc[0][0][l], acc[1][0][l])
+            })];
+            store_lanes(&both, std::slice::from_mut(o));
+            if nb % 2 == 1 {
+                let b = nb - 1;
+                let xq = x.qs.as_ptr().add(b) as *const i32;
+                let mut sumi = _mm512_setzero_si512();
+                for (l, bw) in block_weights(w, table, b).into_iter().enumerate() {
+                    let lane = _mm512_dpbusd_epi32(
+                        _mm512_set1_epi32(x.offset[b][l]),
+                        bw,
+                        _mm512_set1_epi32(xq.add(l).read_unaligned()),
+                    );
+                    sumi = _mm512_add_epi32(sumi, lane);
+                }
+                let sum = _mm512_loadu_ps(o.as_ptr());
+                let sum = _mm512_fmadd_ps(scales(w, b, x.d[b]), _mm512_cvtepi32_ps(sumi), sum);
+                _mm512_storeu_ps(o.as_mut_ptr(), sum);
+            }
+        }
+    }
+
+    /// Block `b`'s weights of the group's sixteen rows, offset by 128, by lane: part `p`'s low nibbles are lane
+    /// `p`, its high ones lane `p + 4`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn block_weights(w: Mxfp4Group<'_>, table: __m512i, b: usize) -> [__m512i; 8] {
+        let mask = _mm512_set1_epi8(0x0F);
+        let base = w.qs.as_ptr().add(b * BLOCK_QS);
+        let mut bw = [_mm512_setzero_si512(); 8];
+        for p in 0..4 {
+            let packed = _mm512_loadu_si512(base.add(p * PART_BYTES) as *const __m512i);
+            bw[p] = _mm512_shuffle_epi8(table, _mm512_and_si512(packed, mask));
+            bw[p + 4] =
+                _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask));
+        }
+        bw
+    }
+
+    /// Each row's scale for block `b` times the activation block's `xd`, built from the exponents' bits as the
+    /// AVX2 kernel's `scales` builds them.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn scales(w: Mxfp4Group<'_>, b: usize, xd: f32) -> __m512 {
+        let at = w.e.as_ptr().add(b * GROUP_ROWS);
+        let e = _mm512_cvtepu8_epi32(_mm_loadu_si128(at as *const __m128i));
+        let normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+        let subnormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x0020_0000), e);
+        let small = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+        let bits = _mm512_mask_blend_epi32(small, normal, subnormal);
+        _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(xd))
     }
 }
