@@ -29,6 +29,8 @@ pub struct GgufWeights {
     raw: BTreeMap<String, RawTensorInfo>,
     file: Mutex<File>,
     log: LoadLog,
+    /// gpt-oss names the feed-forward's input norm after the attention it follows (`post_attention_norm`).
+    ffn_norm_after_attention: bool,
 }
 
 /// One tensor of either index, as hashing and memory planning see it.
@@ -52,12 +54,18 @@ impl GgufWeights {
                 path: path.to_path_buf(),
                 reason: e.to_string(),
             })?;
+        let ffn_norm_after_attention = content
+            .metadata
+            .get("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .is_some_and(|a| a == "gpt-oss");
         Ok(Self {
             path: path.to_path_buf(),
             content,
             raw,
             file: Mutex::new(file),
             log: LoadLog::default(),
+            ffn_norm_after_attention,
         })
     }
 
@@ -292,14 +300,7 @@ fn gguf_block_name(block: usize, t: BlockTensor) -> String {
 
 impl WeightSource for GgufWeights {
     fn load_block(&self, block: usize, t: BlockTensor, device: &Device) -> Result<Weight> {
-        // gpt-oss names the feed-forward's input norm after the attention it follows.
-        let gpt_oss = || {
-            self.metadata()
-                .get("general.architecture")
-                .and_then(|v| v.to_string().ok())
-                .is_some_and(|a| a == "gpt-oss")
-        };
-        if t == BlockTensor::FfnNorm && gpt_oss() {
+        if t == BlockTensor::FfnNorm && self.ffn_norm_after_attention {
             return self.load(&format!("blk.{block}.post_attention_norm.weight"), device);
         }
         let name = gguf_block_name(block, t);
