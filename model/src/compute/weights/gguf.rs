@@ -135,14 +135,19 @@ impl GgufWeights {
         Ok(bytes)
     }
 
+    /// This file is corrupt: tensor `name` cannot be what it says, for `reason`.
+    fn corrupt(&self, name: &str, reason: impl std::fmt::Display) -> ModelError {
+        ModelError::Corrupt {
+            format: "GGUF",
+            path: self.path.clone(),
+            reason: format!("tensor {name}: {reason}"),
+        }
+    }
+
     /// An MXFP4 matrix of `rows x cols` from `bytes` of tensor `name`.
     fn mxfp4(&self, name: &str, bytes: &[u8], rows: usize, cols: usize) -> Result<Weight> {
         let m =
-            Mxfp4Matrix::from_ggml_bytes(bytes, rows, cols).map_err(|e| ModelError::Corrupt {
-                format: "GGUF",
-                path: self.path.clone(),
-                reason: format!("tensor {name}: {e}"),
-            })?;
+            Mxfp4Matrix::from_ggml_bytes(bytes, rows, cols).map_err(|e| self.corrupt(name, e))?;
         self.log.record(name, bytes.len());
         Ok(Weight::Mxfp4(Arc::new(m)))
     }
@@ -163,11 +168,10 @@ impl GgufWeights {
     fn load(&self, name: &str, device: &Device) -> Result<Weight> {
         if let Some(r) = self.raw.get(name) {
             let &[rows, cols] = r.dims.as_slice() else {
-                return Err(ModelError::Corrupt {
-                    format: "GGUF",
-                    path: self.path.clone(),
-                    reason: format!("MXFP4 tensor {name} is {:?}, not a matrix", r.dims),
-                });
+                return Err(self.corrupt(
+                    name,
+                    format!("an MXFP4 tensor of {:?}, not a matrix", r.dims),
+                ));
             };
             let bytes = self.read_at(self.raw_start(r), r.byte_len().unwrap_or(0))?;
             return self.mxfp4(name, &bytes, rows, cols);
@@ -179,11 +183,7 @@ impl GgufWeights {
         let q = self
             .content
             .tensor(&mut *file, name, device)
-            .map_err(|e| ModelError::Corrupt {
-                format: "GGUF",
-                path: self.path.clone(),
-                reason: format!("tensor {name}: {e}"),
-            })?;
+            .map_err(|e| self.corrupt(name, e))?;
         self.log.record(name, q.storage_size_in_bytes());
         Ok(Weight::Quantized(Arc::new(q)))
     }
@@ -215,11 +215,7 @@ impl GgufWeights {
             ),
             (None, None) => return self.load(legacy, device),
         };
-        let corrupt = |reason: String| ModelError::Corrupt {
-            format: "GGUF",
-            path: self.path.clone(),
-            reason: format!("tensor {stacked}: {reason}"),
-        };
+        let corrupt = |reason: String| self.corrupt(stacked, reason);
         // Matrices `[experts, rows, cols]`, biases `[experts, rows]`.
         let (experts, each) = match dims.as_slice() {
             &[experts, rows, cols] => (experts, vec![rows, cols]),
